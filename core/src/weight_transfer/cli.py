@@ -1,0 +1,43 @@
+"""`wt`: command-line entry point. `wt backends` lists installed backends."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from weight_transfer.factory import list_backends
+
+
+def _backends() -> int:
+    found = list_backends()
+    names = sorted(set(found["trainer"]) | set(found["engine"]))
+    if not names:
+        print("no weight transfer backends installed (try: pip install wt-nccl)")
+        return 0
+    print(f"{'backend':<16} {'trainer':<28} {'engine':<28}")
+    for name in names:
+        cells = []
+        for kind in ("trainer", "engine"):
+            info = found[kind].get(name)
+            if info is None:
+                cells.append("-")
+            elif info.distribution:
+                cells.append(f"{info.distribution} {info.version}")
+            else:
+                cells.append("registered in-process")
+        print(f"{name:<16} {cells[0]:<28} {cells[1]:<28}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="wt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("backends", help="list installed backends and their distributions")
+    args = parser.parse_args(argv)
+    if args.command == "backends":
+        return _backends()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

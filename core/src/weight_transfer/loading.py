@@ -1,0 +1,108 @@
+"""How received tensors reach a model, transactionally.
+
+A worker engine hands batches of `(name, tensor)` in HF names to a
+`WeightLoader`, bracketed by `begin()` and `commit()`; on any failure it calls
+`abort()`, after which the model must serve what it served before `begin()`.
+
+`DirectLoader` calls `model.load_weights(batch)` and keeps an undo copy of
+every parameter a batch overwrites, so `abort()` restores them. Inside vLLM
+(`vllm_config` is a `VllmConfig`) `loader_for` returns the bridge's
+`weight_transfer.vllm.loader.VLLMLoader`, which wraps layerwise reload; vLLM is
+imported only then.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["WeightLoader", "DirectLoader", "loader_for", "register_loader_provider"]
+
+
+@runtime_checkable
+class WeightLoader(Protocol):
+    def begin(self) -> None:
+        """Open an update; the model keeps serving its current weights until commit."""
+
+    def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load a batch of full tensors by HF name."""
+
+    def commit(self) -> None:
+        """Make everything loaded since `begin()` the model's weights."""
+
+    def abort(self) -> None:
+        """Undo everything loaded since `begin()`; idempotent."""
+
+
+class DirectLoader:
+    """`model.load_weights` with an undo log of the parameters it overwrites.
+
+    The model must expose `load_weights(iterable of (name, tensor))`. The undo
+    log snapshots parameters by their model name (`named_parameters()`) before
+    the first batch that touches them; names the model maps (fused or renamed
+    parameters) are covered by snapshotting every parameter on `begin()` when
+    `snapshot_all` is set.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, snapshot_all: bool = True) -> None:
+        self.model = model
+        self.snapshot_all = snapshot_all
+        self._undo: dict[str, torch.Tensor] | None = None
+
+    def begin(self) -> None:
+        self._undo = (
+            {n: p.detach().clone() for n, p in self.model.named_parameters()}
+            if self.snapshot_all
+            else {}
+        )
+
+    def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        load_weights = getattr(self.model, "load_weights", None)
+        if load_weights is None:
+            raise TypeError(f"{type(self.model).__name__} has no load_weights(weights)")
+        load_weights(weights)
+
+    def commit(self) -> None:
+        self._undo = None
+
+    def abort(self) -> None:
+        undo, self._undo = self._undo, None
+        if not undo:
+            return
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, old in undo.items():
+                params[name].copy_(old)
+
+
+LoaderProvider = Callable[[torch.nn.Module, Any], "WeightLoader | None"]
+_providers: list[LoaderProvider] = []
+
+
+def register_loader_provider(provider: LoaderProvider) -> None:
+    """Add `provider(model, vllm_config) -> WeightLoader | None`, tried newest first."""
+    _providers.insert(0, provider)
+
+
+def _is_vllm_config(vllm_config: Any) -> bool:
+    config_module = sys.modules.get("vllm.config")
+    vllm_config_cls = getattr(config_module, "VllmConfig", None)
+    return vllm_config_cls is not None and isinstance(vllm_config, vllm_config_cls)
+
+
+def loader_for(model: torch.nn.Module, vllm_config: Any, model_config: Any = None) -> WeightLoader:
+    """The loader for `model`: the first provider's answer; inside vLLM the
+    layerwise-reload loader (`model_config` is the target's, e.g. the draft
+    model's; `None` means `vllm_config.model_config`); else a `DirectLoader`."""
+    for provider in _providers:
+        loader = provider(model, vllm_config)
+        if loader is not None:
+            return loader
+    if _is_vllm_config(vllm_config):
+        from weight_transfer.vllm.loader import VLLMLoader
+
+        return VLLMLoader(model, vllm_config, model_config)
+    return DirectLoader(model)

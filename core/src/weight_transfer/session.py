@@ -1,0 +1,104 @@
+"""`WorkerSession`: the inference-side state machine around one worker engine.
+
+vLLM's worker runs this state machine for its engine; `WorkerSession` is the
+same contract for hosts that embed an engine themselves (a custom worker, a
+test process). It satisfies `VLLMWeightSyncClient`, so a trainer can drive an
+in-process worker directly.
+
+Rules: `start_weight_update` opens a round (error if one is open);
+`update_weights` and `finish_weight_update` need an open round; a failed
+`update_weights` closes the round (the engine has rolled back);
+`shutdown_weight_transfer_engine` is refused while a round is open.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weight_transfer.base import (
+    UpdatePayload,
+    WeightTransferEngine,
+    WeightTransferInitRequest,
+    WeightTransferUpdateRequest,
+)
+
+__all__ = ["WorkerSession"]
+
+
+class WorkerSession:
+    def __init__(self, engine: WeightTransferEngine[Any, Any], draft_model: Any = None) -> None:
+        self.engine = engine
+        self.draft_model = draft_model
+        self.weight_version: str | None = None
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def init_weight_transfer_engine(
+        self, init_info: dict[str, Any] | WeightTransferInitRequest
+    ) -> None:
+        if isinstance(init_info, WeightTransferInitRequest):
+            init_info = init_info.init_info
+        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
+
+    def start_weight_update(self) -> None:
+        self._start(draft=False)
+
+    def start_draft_weight_update(self) -> None:
+        self._start(draft=True)
+
+    def _start(self, *, draft: bool) -> None:
+        if self._active:
+            raise RuntimeError(
+                "start_weight_update called while a weight update is active; "
+                "call finish_weight_update first"
+            )
+        if draft:
+            if not self.engine.supports_draft_weight_update:
+                raise RuntimeError(
+                    f"{type(self.engine).__name__} does not support draft-model updates"
+                )
+            if self.draft_model is None:
+                raise RuntimeError("draft weight update requested, but there is no draft model")
+            self.engine.set_weight_update_target(self.draft_model, None)
+        try:
+            self.engine.start_weight_update()
+        except BaseException:
+            self.engine.reset_weight_update_target()
+            raise
+        self._active = True
+
+    def update_weights(self, update_info: UpdatePayload | WeightTransferUpdateRequest) -> None:
+        if isinstance(update_info, WeightTransferUpdateRequest):
+            update_info = update_info.update_info
+        if not self._active:
+            raise RuntimeError("start_weight_update must be called before update_weights")
+        if isinstance(update_info, list):
+            update_info = update_info[self.engine.position.global_index]
+        try:
+            self.engine.update_weights(update_info)
+        except BaseException:
+            self._active = False
+            self.engine.reset_weight_update_target()
+            raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if not self._active:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update")
+        try:
+            self.engine.finish_weight_update()
+        except BaseException:
+            self.engine.abort_weight_update()
+            raise
+        finally:
+            self._active = False
+            self.engine.reset_weight_update_target()
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        if self._active:
+            raise RuntimeError("cannot shut the weight transfer engine down during an update")
+        self.engine.shutdown()

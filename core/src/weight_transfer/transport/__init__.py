@@ -1,0 +1,1 @@
+"""Helpers shared by backends: stateless groups, packing layout, dtype codec, wire version."""

@@ -1,0 +1,107 @@
+"""Rendezvous of trainer rank 0 and the workers in a private group.
+
+Trainer: `trainer_rendezvous(client, payload, ...)` runs the workers'
+`init_weight_transfer_engine(payload)` on a side thread while it hosts the
+rendezvous, and raises the first failure of either at once (a worker that
+rejects the payload does not leave the trainer waiting for the store
+timeout).
+
+Worker: `join_group(info, position, device)` joins as rank
+`rank_offset + position.global_index`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weight_transfer.base import VLLMWeightSyncClient, WeightTransferInitInfo
+from weight_transfer.position import WorkerPosition
+from weight_transfer.transport.futures import in_background, wait_for
+from weight_transfer.transport.group import StatelessGroup
+
+__all__ = ["GroupInitInfo", "trainer_rendezvous", "join_group"]
+
+# Time the init RPC may take beyond the rendezvous timeout (engine-side work).
+_RPC_GRACE_S = 30.0
+
+
+@dataclass
+class GroupInitInfo(WeightTransferInitInfo):
+    """Worker init info of a backend built on a private group (trainer = rank 0)."""
+
+    master_address: str = field(kw_only=True)
+    master_port: int = field(kw_only=True)
+    world_size: int = field(kw_only=True)
+    rank_offset: int = field(default=1, kw_only=True)
+    timeout_s: float = field(default=300.0, kw_only=True)
+    group_name: str = field(default="wt", kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 2:
+            raise ValueError(
+                f"init_info: field 'world_size' must be at least 2, got {self.world_size}"
+            )
+        if not 0 < self.master_port < 65536:
+            raise ValueError(
+                f"init_info: field 'master_port' is not a TCP port: {self.master_port}"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(f"init_info: field 'timeout_s' must be positive, got {self.timeout_s}")
+
+
+def trainer_rendezvous(
+    client: VLLMWeightSyncClient,
+    payload: dict[str, Any],
+    *,
+    host: str,
+    port: int,
+    world_size: int,
+    device: torch.device | str,
+    timeout_s: float,
+    group_name: str = "wt",
+) -> StatelessGroup:
+    """Host rank 0 of the group while the workers join through `client`; see module doc."""
+    rpc = in_background(lambda: client.init_weight_transfer_engine(payload), name="wt-init-rpc")
+    join = in_background(
+        lambda: StatelessGroup.create(
+            host=host,
+            port=port,
+            rank=0,
+            world_size=world_size,
+            device=device,
+            timeout_s=timeout_s,
+            name=group_name,
+        ),
+        name="wt-rendezvous",
+    )
+    results = wait_for(
+        {"the workers' init_weight_transfer_engine": rpc, "the rendezvous": join},
+        timeout_s + _RPC_GRACE_S,
+    )
+    group: StatelessGroup = results["the rendezvous"]
+    return group
+
+
+def join_group(
+    info: GroupInitInfo, position: WorkerPosition, device: torch.device | str
+) -> StatelessGroup:
+    """Join the trainer's group as worker `position`; checks the world size first."""
+    rank = info.rank_offset + position.global_index
+    if rank >= info.world_size:
+        raise ValueError(
+            f"init_info: field 'world_size' is {info.world_size}, but this worker "
+            f"(global index {position.global_index}, rank_offset {info.rank_offset}) "
+            f"would be rank {rank}; world_size must be 1 + the number of workers"
+        )
+    return StatelessGroup.create(
+        host=info.master_address,
+        port=info.master_port,
+        rank=rank,
+        world_size=info.world_size,
+        device=device,
+        timeout_s=info.timeout_s,
+        name=info.group_name,
+    )

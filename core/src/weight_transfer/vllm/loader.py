@@ -1,0 +1,156 @@
+"""`VLLMLoader`: the `WeightLoader` for a model inside a vLLM worker.
+
+- `begin()`: `ModelSnapshot.take(model)`, then `initialize_layerwise_reload(model)`.
+- `load(batch)`: `model.load_weights(batch)` (HF names, checkpoint format) with
+  the vLLM config current, the MTP completeness check off (a round arrives in
+  several batches) and, on CUDA, the model's device current, so it also works
+  from a transport's background thread.
+- `commit()`: `finalize_layerwise_reload(model, model_config)`; if that raises,
+  the round is aborted before the error propagates.
+- `abort()`: restores the snapshot; the model serves exactly the weights it
+  served before `begin()`.
+
+`commit()` and `abort()` after the round has ended are no-ops, so a worker
+that calls finish again after a failed finish clears its state. Calls are
+serialized: an `abort()` from the control thread waits for a `load()` running
+on a transport thread, and a `load()` after the round ended raises.
+
+Between `begin()` and the end of the round the model's layers live on the meta
+device: generation must be paused, as for any vLLM weight update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from weight_transfer.vllm.snapshot import ModelSnapshot
+
+__all__ = ["VLLMLoader", "WeightLoadError"]
+
+logger = logging.getLogger("weight_transfer.vllm")
+
+
+def _model_device(model: torch.nn.Module) -> torch.device | None:
+    for tensor in (*model.parameters(), *model.buffers()):
+        if not tensor.is_meta:
+            return tensor.device
+    return None
+
+
+class WeightLoadError(RuntimeError):
+    """vLLM refused a weight; the message names it (HF name, dtype, shape) and the cause."""
+
+
+class VLLMLoader:
+    """Layerwise reload with an exact rollback; see the module docstring.
+
+    `model_config` is the target's model config (the draft model's for a draft
+    update); `None` means `vllm_config.model_config`.
+    """
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, model_config: Any = None) -> None:
+        self.model = model
+        self.vllm_config = vllm_config
+        self.model_config = model_config if model_config is not None else vllm_config.model_config
+        self.snapshot: ModelSnapshot | None = None
+        self._lock = threading.Lock()
+        self._device: torch.device | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.snapshot is not None
+
+    def begin(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with self._lock:
+            if self.snapshot is not None:
+                raise RuntimeError("VLLMLoader.begin: a round is already open")
+            self._device = _model_device(self.model)
+            snapshot = ModelSnapshot.take(self.model)
+            try:
+                initialize_layerwise_reload(self.model)
+            except BaseException:
+                snapshot.restore()
+                snapshot.release()
+                raise
+            self.snapshot = snapshot
+            logger.debug(
+                "snapshot of %s: %.1f MB in %.4fs",
+                type(self.model).__name__,
+                snapshot.nbytes / 1e6,
+                snapshot.seconds,
+            )
+
+    @contextlib.contextmanager
+    def _load_context(self) -> Iterator[None]:
+        from vllm.config import get_current_vllm_config_or_none, set_current_vllm_config
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        with contextlib.ExitStack() as stack:
+            if get_current_vllm_config_or_none() is not self.vllm_config:
+                stack.enter_context(set_current_vllm_config(self.vllm_config))
+            stack.enter_context(disable_mtp_completeness_check())
+            if self._device is not None and self._device.type == "cuda":
+                stack.enter_context(torch.cuda.device(self._device))
+            yield
+
+    def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load a batch; a refusal raises `WeightLoadError` naming the weight being loaded."""
+        current: list[tuple[str, torch.Tensor]] = []
+
+        def tracked() -> Iterator[tuple[str, torch.Tensor]]:
+            for pair in weights:
+                current[:] = [pair]
+                yield pair
+
+        with self._lock:
+            if self.snapshot is None:
+                raise RuntimeError("VLLMLoader.load: no open round (begin() first, or aborted)")
+            try:
+                with self._load_context():
+                    self.model.load_weights(tracked())  # type: ignore[operator]
+            except Exception as e:
+                if not current:
+                    raise
+                name, tensor = current[0]
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                raise WeightLoadError(
+                    f"{type(self.model).__name__} could not load {name!r} ({dtype}, shape "
+                    f"{list(tensor.shape)}): {type(e).__name__}: {e}"
+                ) from e
+
+    def commit(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with self._lock:
+            snapshot = self.snapshot
+            if snapshot is None:
+                return
+            try:
+                with self._load_context():
+                    finalize_layerwise_reload(self.model, self.model_config)
+            except BaseException:
+                snapshot.restore()
+                raise
+            finally:
+                self.snapshot = None
+                snapshot.release()
+
+    def abort(self) -> None:
+        with self._lock:
+            snapshot, self.snapshot = self.snapshot, None
+            if snapshot is None:
+                return
+            try:
+                snapshot.restore()
+            finally:
+                snapshot.release()

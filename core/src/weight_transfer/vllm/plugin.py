@@ -1,0 +1,51 @@
+"""Registration of wt worker engines into vLLM's weight-transfer factory.
+
+`register()` is the `vllm.general_plugins` entry point; vLLM calls it once in
+each of its processes (front end, engine core, workers). For every worker
+engine wt knows (`WeightTransferEngineFactory.available_backends()`: installed
+entry points and in-process registrations, read without importing them) it
+registers `wt_<name>` in vLLM's factory in vLLM's lazy form: the module
+`weight_transfer.vllm.engines` resolves the class through wt's registry when
+vLLM creates the engine, so a backend's module is imported only then.
+
+Names vLLM already knows (its own backends, or an earlier call) are left
+alone, so calling `register()` again is harmless and picks up backends
+registered since.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from weight_transfer.vllm import BACKEND_PREFIX
+
+__all__ = ["register", "vllm_backend_name"]
+
+logger = logging.getLogger("weight_transfer.vllm")
+
+ENGINES_MODULE = "weight_transfer.vllm.engines"
+
+
+def vllm_backend_name(name: str) -> str:
+    """The name a wt backend has in vLLM: `nccl` -> `wt_nccl`."""
+    return f"{BACKEND_PREFIX}{name}"
+
+
+def register() -> list[str]:
+    """Register every wt worker engine in vLLM's factory; returns the names added."""
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory as VLLMEngineFactory,
+    )
+
+    from weight_transfer.factory import WeightTransferEngineFactory
+
+    added = []
+    for name in WeightTransferEngineFactory.available_backends():
+        vllm_name = vllm_backend_name(name)
+        if vllm_name in VLLMEngineFactory._registry:
+            continue
+        VLLMEngineFactory.register_engine(vllm_name, ENGINES_MODULE, vllm_name)
+        added.append(vllm_name)
+    if added:
+        logger.debug("wt backends registered in vLLM: %s", ", ".join(added))
+    return added

@@ -1,0 +1,149 @@
+"""An exact undo record of everything a layerwise reload changes in a vLLM model.
+
+Layerwise reload (`initialize_layerwise_reload` ... `finalize_layerwise_reload`)
+moves every layer to the meta device, wraps weight loaders, and, as each layer
+completes, processes the new weights and copies them into the layer's original
+("kernel") tensors. Some quantization and CPU kernels also replace plain module
+attributes: on CPU, unquantized Linear layers keep their packed GEMM weights in
+a `cpu_linear` attribute and leave `weight` empty. Finalizing a failed reload
+therefore cannot bring the previous weights back.
+
+`ModelSnapshot.take(model)`, called before `initialize_layerwise_reload`,
+records per module the parameter and buffer dicts, the non-persistent buffer
+set and every other instance attribute (by reference), plus a copy of the data
+of every non-empty kernel tensor. `restore()` puts all of it back and resets the
+reload bookkeeping, so the model serves exactly what it served before `take`.
+
+Cost: one copy of the kernel tensors' bytes per round (on CPU only the tensors
+that stay materialized: embeddings, norms, lm_head; Linear weights live in the
+`cpu_linear` objects, which are kept alive by reference instead, so peak memory
+holds the old and new packed Linear weights until the round ends). On CUDA the
+copy goes to pinned host memory. Copy buffers are kept per model and reused in
+later rounds, so only the first round pays for allocation.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ModelSnapshot"]
+
+_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules"})
+
+# Reused copy buffers per model, keyed by "<module path>|<p or b>|<name>".
+_COPY_BUFFERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@dataclass
+class _ModuleState:
+    module: torch.nn.Module
+    parameters: dict[str, Any]
+    buffers: dict[str, Any]
+    attributes: dict[str, Any]
+
+
+def _copy_buffer(store: dict[str, torch.Tensor], key: str, tensor: torch.Tensor) -> torch.Tensor:
+    buf = store.get(key)
+    if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+        if tensor.device.type == "cuda":
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        else:
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        store[key] = buf
+    return buf
+
+
+def _synchronize(tensors: list[torch.Tensor]) -> None:
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.synchronize(device)
+
+
+class ModelSnapshot:
+    """See the module docstring. `nbytes` and `seconds` describe the data copy."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        states: list[_ModuleState],
+        data: list[tuple[torch.Tensor, torch.Tensor]],
+        seconds: float,
+    ) -> None:
+        self.model = model
+        self._states = states
+        self._data = data
+        self.nbytes = sum(saved.numel() * saved.element_size() for _, saved in data)
+        self.seconds = seconds
+
+    @classmethod
+    @torch.no_grad()
+    def take(cls, model: torch.nn.Module) -> ModelSnapshot:
+        """Record `model`; must run before `initialize_layerwise_reload(model)`."""
+        t0 = time.perf_counter()
+        store = _COPY_BUFFERS.setdefault(model, {})
+        states: list[_ModuleState] = []
+        data: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen: set[int] = set()
+        for path, module in model.named_modules(remove_duplicate=False):
+            attributes = {k: v for k, v in module.__dict__.items() if k not in _MODULE_INTERNALS}
+            attributes["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
+            state = _ModuleState(
+                module, dict(module._parameters), dict(module._buffers), attributes
+            )
+            states.append(state)
+            for kind, tensors in (("p", state.parameters), ("b", state.buffers)):
+                for name, tensor in tensors.items():
+                    if tensor is None or tensor.is_meta or tensor.numel() == 0:
+                        continue
+                    if id(tensor) in seen:
+                        continue
+                    seen.add(id(tensor))
+                    buf = _copy_buffer(store, f"{path}|{kind}|{name}", tensor)
+                    buf.copy_(tensor.detach(), non_blocking=buf.is_pinned())
+                    data.append((tensor, buf))
+        _synchronize([t for t, _ in data])
+        return cls(model, states, data, time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put the model back exactly as it was at `take`, discarding reload state."""
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        for state in self._states:
+            module = state.module
+            module._parameters.clear()
+            module._parameters.update(state.parameters)
+            module._buffers.clear()
+            module._buffers.update(state.buffers)
+            for key in [
+                k
+                for k in module.__dict__
+                if k not in _MODULE_INTERNALS and k not in state.attributes
+            ]:
+                del module.__dict__[key]
+            module.__dict__.update(state.attributes)
+            module._non_persistent_buffers_set = set(
+                state.attributes["_non_persistent_buffers_set"]
+            )
+            info = layerwise.LAYERWISE_INFO.get(module)
+            if info is not None:
+                info.reset()
+            for tensor in (*state.parameters.values(), *state.buffers.values()):
+                if tensor is not None and hasattr(tensor, "weight_loader"):
+                    tensor.weight_loader = layerwise._get_original_loader(tensor)
+        for tensor, saved in self._data:
+            tensor.data.copy_(saved, non_blocking=saved.is_pinned())
+        _synchronize([t for t, _ in self._data])
+        layerwise.LOADING_LAYERS.clear()
+
+    def release(self) -> None:
+        """Drop the references this snapshot holds (the copy buffers stay for reuse)."""
+        self._states = []
+        self._data = []

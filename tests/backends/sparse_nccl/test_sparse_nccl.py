@@ -1,0 +1,396 @@
+"""`sparse_nccl` end to end: trainer rank 0 in the test process, workers in `WorkerPool`
+processes (engines created through entry points) holding a `PatchableModel`, over a
+private gloo group. Every check compares the workers' parameters bit for bit with
+the state the test computes itself."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from tests.backends.sparse_nccl.helpers import (
+    MODEL_FACTORY,
+    CountingClient,
+    applied,
+    assert_same_bits,
+    random_patch,
+)
+from tests.backends.sparse_nccl.models import initial_state
+from tests.harness import WorkerPool
+from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
+from weight_transfer.hooks import hookimpl, plugin_manager, register_hooks
+from weight_transfer.transport.group import free_port
+from wt_sparse_nccl import (
+    SparseNCCLTrainerEngine,
+    SparseNCCLTrainerInitInfo,
+    SparseWeightPatch,
+)
+
+W0, B0, W1, B1 = "layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"
+BF16, FP16 = "half.bf16_weight", "half.fp16_weight"
+TIMEOUT_S = 30.0
+
+
+@dataclass
+class Rig:
+    pool: WorkerPool
+    client: CountingClient
+    engine: SparseNCCLTrainerEngine
+
+    def states(self) -> list[dict[str, torch.Tensor]]:
+        return self.pool.each("state_dict")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The workers' (identical) state."""
+        first, *others = self.states()
+        for other in others:
+            assert_same_bits(other, first)
+        return first
+
+    def assert_state(self, want: dict[str, torch.Tensor]) -> None:
+        for got in self.states():
+            assert_same_bits(got, want)
+
+
+def connect(pool: WorkerPool, client: CountingClient) -> SparseNCCLTrainerEngine:
+    info = SparseNCCLTrainerInitInfo(
+        "127.0.0.1", free_port(), 1 + len(pool.processes), rank=0, timeout_s=TIMEOUT_S, device="cpu"
+    )
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client)
+    assert isinstance(engine, SparseNCCLTrainerEngine)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[Rig]:
+    with WorkerPool("sparse_nccl", 2, model_factory=MODEL_FACTORY) as pool:
+        client = CountingClient(pool.client(timeout_s=60.0))
+        engine = connect(pool, client)
+        yield Rig(pool, client, engine)
+        engine.shutdown()
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(7)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    @hookimpl
+    def wt_sync_started(self, backend: str, sync_id: int, num_params: int, total_bytes: int) -> None:
+        self.events.append(("started", {"backend": backend, "sync_id": sync_id}))
+
+    @hookimpl
+    def wt_chunk_moved(self, backend: str, index: int, nbytes: int) -> None:
+        self.events.append(("chunk", {"index": index, "nbytes": nbytes}))
+
+    @hookimpl
+    def wt_sync_finished(
+        self, backend: str, num_params: int, total_bytes: int, weight_version: str | None
+    ) -> None:
+        self.events.append(
+            ("finished", {"num_params": num_params, "total_bytes": total_bytes, "v": weight_version})
+        )
+
+    @hookimpl
+    def wt_sync_failed(self, backend: str, error: BaseException) -> None:
+        self.events.append(("failed", {"error": error}))
+
+
+@pytest.fixture
+def recorder() -> Iterator[Recorder]:
+    rec = Recorder()
+    register_hooks(rec)
+    yield rec
+    plugin_manager().unregister(rec)
+
+
+def wire_bytes(patches: list[SparseWeightPatch]) -> int:
+    return sum(p.nnz * (p.indices.element_size() + p.values.element_size()) for p in patches)
+
+
+def test_three_rounds_land_bit_exactly_and_only_nnz_bytes_travel(
+    rig: Rig, gen: torch.Generator, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig.assert_state(initial_state())
+    assert rig.engine.group is not None
+    sent: list[tuple[torch.dtype, int]] = []
+    broadcast = rig.engine.group.broadcast
+
+    def spy(tensor: torch.Tensor, src: int = 0) -> Any:
+        sent.append((tensor.dtype, tensor.numel()))
+        return broadcast(tensor, src)
+
+    monkeypatch.setattr(rig.engine.group, "broadcast", spy)
+    state = rig.state()
+    full_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    for round_ in range(3):
+        patches = [
+            random_patch(W0, state, 20, gen, index_dtype=torch.int32, specials=round_ == 0),
+            random_patch(B1, state, 3, gen, index_dtype=torch.int64),
+            random_patch(BF16, state, 9, gen, index_dtype=torch.int32, specials=True),
+            random_patch(FP16, state, 7, gen, index_dtype=torch.int64, specials=True),
+            random_patch(W0, state, 5, gen, index_dtype=torch.int64),  # same name again: in order
+        ]
+        if round_ == 2:
+            patches.append(random_patch(B0, state, 0, gen))  # an empty patch is fine
+        rig.client.calls.clear()
+        sent.clear()
+        rig.engine.send_weights(patches, weight_version=f"v{round_}")
+
+        state = applied(state, patches)
+        rig.assert_state(state)
+        assert rig.client.methods() == [
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+        ]
+        (update,) = rig.client.updates()
+        assert update["names"] == [p.name for p in patches]
+        assert update["num_updates"] == [p.nnz for p in patches]
+        assert update["dtype_names"][:4] == ["float32", "float32", "bfloat16", "float16"]
+        assert update["index_dtype_names"][:4] == ["int32", "int64", "int32", "int64"]
+        assert update["shapes"][0] == [12, 16]
+        # One broadcast per index dtype and per values dtype, O(nnz) bytes in all.
+        assert len(sent) == 5
+        assert sum(n for _, n in sent) == wire_bytes(patches) < full_bytes / 3
+        assert {d for d, _ in sent} == {torch.uint8}
+        assert rig.client.calls[-1] == ("finish_weight_update", f"v{round_}")
+
+    kinds = [kind for kind, _ in recorder.events]
+    assert kinds == ["started", "chunk", "finished"] * 3
+    finished = [data for kind, data in recorder.events if kind == "finished"]
+    assert finished[-1] == {"num_params": 6, "total_bytes": wire_bytes(patches), "v": "v2"}
+
+
+def test_three_chunks_inside_one_round(
+    rig: Rig, gen: torch.Generator, recorder: Recorder
+) -> None:
+    state = rig.state()
+    chunks = [
+        [random_patch(W1, state, 10, gen), random_patch(BF16, state, 4, gen)],
+        [random_patch(W1, state, 10, gen, index_dtype=torch.int32)],  # may overlap chunk 1
+        [random_patch(FP16, state, 6, gen), random_patch(B0, state, 2, gen)],
+    ]
+    rig.client.calls.clear()
+    rig.engine.begin()
+    for chunk in chunks:
+        rig.engine.send_weight_chunk(chunk)
+    rig.engine.end("chunked")
+    for chunk in chunks:
+        state = applied(state, chunk)
+    rig.assert_state(state)
+    assert rig.client.methods() == ["start_weight_update"] + ["update_weights"] * 3 + [
+        "finish_weight_update"
+    ]
+    assert [kind for kind, _ in recorder.events] == ["started", "chunk", "chunk", "chunk", "finished"]
+    total = sum(wire_bytes(c) for c in chunks)
+    assert recorder.events[-1][1] == {"num_params": 5, "total_bytes": total, "v": "chunked"}
+
+    # The caller may drive the client itself, too.
+    more = [[random_patch(B1, state, 2, gen)], [random_patch(W0, state, 3, gen)]]
+    rig.engine.client.start_weight_update()
+    for chunk in more:
+        rig.engine.send_weight_chunk(chunk)
+    rig.engine.client.finish_weight_update()
+    for chunk in more:
+        state = applied(state, chunk)
+    rig.assert_state(state)
+
+
+def test_empty_patch_lists_make_no_call(rig: Rig, gen: torch.Generator) -> None:
+    state = rig.state()
+    rig.client.calls.clear()
+    rig.engine.send_weights([])
+    rig.engine.send_weights(None)
+    rig.engine.send_weight_chunk([])
+    rig.engine.send_weight_chunk(None)
+    assert rig.client.calls == []
+    rig.assert_state(state)
+
+    # A non-sender rank does nothing at all, whatever it is given.
+    other = WeightTransferTrainerFactory.trainer_init(
+        SparseNCCLTrainerInitInfo("127.0.0.1", free_port(), 3, rank=1), client=rig.client
+    )
+    assert isinstance(other, SparseNCCLTrainerEngine)
+    other.send_weights([random_patch(W0, state, 3, gen)])
+    other.begin()
+    other.send_weight_chunk([random_patch(W0, state, 3, gen)])
+    other.end()
+    assert rig.client.calls == []
+    assert other.group is None
+    rig.assert_state(state)
+
+
+def _bad_patches(state: dict[str, torch.Tensor]) -> dict[str, tuple[SparseWeightPatch, str]]:
+    shape = tuple(state[W0].shape)
+    idx = torch.tensor([1, 5, 7])
+    vals = torch.ones(3)
+    return {
+        "out of range": (
+            SparseWeightPatch(W0, torch.tensor([0, 192]), torch.ones(2), shape),
+            "index 192 at position 1 is outside",
+        ),
+        "negative index": (
+            SparseWeightPatch(W0, torch.tensor([-1]), torch.ones(1), shape),
+            "index -1 at position 0 is outside",
+        ),
+        "length mismatch": (SparseWeightPatch(W0, idx, torch.ones(4), shape), "3 indices but 4"),
+        "duplicates": (
+            SparseWeightPatch(W0, torch.tensor([4, 9, 4], dtype=torch.int32), vals, shape),
+            "index 4 appears more than once",
+        ),
+        "2-D indices": (
+            SparseWeightPatch(W0, idx.reshape(3, 1), vals, shape),
+            "indices must be 1-D",
+        ),
+        "2-D values": (SparseWeightPatch(W0, idx, vals.reshape(1, 3), shape), "values must be 1-D"),
+        "float indices": (
+            SparseWeightPatch(W0, idx.float(), vals, shape),
+            "indices must be int32 or int64",
+        ),
+        "int16 indices": (
+            SparseWeightPatch(W0, idx.to(torch.int16), vals, shape),
+            "indices must be int32 or int64",
+        ),
+        "complex values": (
+            SparseWeightPatch(W0, idx, vals.to(torch.complex64), shape),
+            "cannot travel",
+        ),
+        "no full shape": (
+            SparseWeightPatch(W0, idx, vals, None),  # type: ignore[arg-type]
+            "full_shape must be",
+        ),
+    }
+
+
+def test_bad_patches_are_refused_on_the_trainer_before_any_call(
+    rig: Rig, gen: torch.Generator
+) -> None:
+    state = rig.state()
+    good = random_patch(B0, state, 3, gen)
+    for case, (bad, message) in _bad_patches(state).items():
+        rig.client.calls.clear()
+        for send in (rig.engine.send_weights, rig.engine.send_weight_chunk):
+            with pytest.raises(ValueError, match=rf"patch 1 \('{W0}'\): .*{message}"):
+                send([good, bad])
+        assert rig.client.calls == [], case
+    with pytest.raises(TypeError, match="patch 0: expected a SparseWeightPatch"):
+        rig.engine.send_weights([("w", torch.ones(1))])  # type: ignore[list-item]
+    assert rig.client.calls == []
+    rig.assert_state(state)
+
+
+def test_a_source_is_refused() -> None:
+    from weight_transfer import ModuleSource
+
+    info = SparseNCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0)
+    client = CountingClient(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="delta backend"):
+        WeightTransferTrainerFactory.trainer_init(
+            info, client=client, source=ModuleSource(torch.nn.Linear(2, 2))
+        )
+    assert client.calls == []
+
+
+def test_batches_the_workers_refuse_apply_nothing_and_the_next_sync_works(
+    rig: Rig, gen: torch.Generator
+) -> None:
+    state = rig.state()
+    good = random_patch(W1, state, 12, gen)  # valid, and first in every bad batch
+    refused = {
+        "unknown name": (
+            SparseWeightPatch("layers.9.weight", torch.tensor([0]), torch.ones(1), (4, 4)),
+            "no parameter named 'layers.9.weight'",
+        ),
+        "shape": (
+            SparseWeightPatch(B1, torch.tensor([3, 30]), torch.ones(2), (40,)),
+            r"full shape \[40\] differs from the parameter's shape \[8\]",
+        ),
+        "dtype": (
+            SparseWeightPatch(B1, torch.tensor([3]), torch.ones(1, dtype=torch.float16), (8,)),
+            "values are torch.float16, the parameter is torch.float32",
+        ),
+    }
+    for case, (bad, message) in refused.items():
+        with pytest.raises(WeightSyncRPCError, match=rf"patch 1 \('{bad.name}'\): {message}"):
+            rig.engine.send_weights([good, bad])
+        rig.assert_state(state)
+        assert rig.engine.group is not None, case
+
+    # Checks the trainer would have made, bypassed: the workers make them too.
+    skipped = {
+        "out of range": (
+            SparseWeightPatch(B1, torch.tensor([1, 8]), torch.ones(2), (8,)),
+            "index 8 at position 1 is outside",
+        ),
+        "duplicates": (
+            SparseWeightPatch(B1, torch.tensor([2, 2]), torch.ones(2), (8,)),
+            "index 2 appears more than once",
+        ),
+    }
+    for bad, message in skipped.values():
+        rig.client.start_weight_update()
+        with pytest.raises(WeightSyncRPCError, match=rf"patch 1 \('{B1}'\): {message}"):
+            rig.engine._broadcast([good, bad])
+        rig.assert_state(state)
+
+    # A chunk refused mid-round rolls the earlier chunks of that round back, too.
+    rig.engine.begin()
+    rig.engine.send_weight_chunk([good])
+    assert_same_bits(rig.state()[W1], applied(state, [good])[W1])  # written in place
+    with pytest.raises(WeightSyncRPCError, match="no parameter named"):
+        rig.engine.send_weight_chunk([good, refused["unknown name"][0]])
+    rig.assert_state(state)
+    with pytest.raises(RuntimeError, match="end\\(\\) without an open round"):
+        rig.engine.end()
+
+    patches = [good, random_patch(FP16, state, 5, gen)]
+    rig.engine.send_weights(patches)
+    rig.assert_state(applied(state, patches))
+
+
+def test_a_worker_out_of_step_refuses_until_trainer_init_runs_again(
+    gen: torch.Generator,
+) -> None:
+    with WorkerPool("sparse_nccl", 1, model_factory=MODEL_FACTORY) as pool:
+        client = CountingClient(pool.client(timeout_s=60.0))
+        engine = connect(pool, client)
+        state = initial_state()
+        # An update the worker cannot even parse: it cannot know what to receive,
+        # so it drops its group rather than fall out of step with the trainer.
+        client.start_weight_update()
+        bad_update = {
+            "names": [W0],
+            "dtype_names": ["float32"],
+            "index_dtype_names": ["int16"],
+            "shapes": [[12, 16]],
+            "num_updates": [1],
+        }
+        with pytest.raises(WeightSyncRPCError, match="index_dtype_names\\[0\\]"):
+            client.update_weights(bad_update)
+
+        patch = random_patch(W0, state, 4, gen)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncRPCError, match="no transfer group"):
+            engine.send_weights([patch])
+        assert time.monotonic() - t0 < TIMEOUT_S / 2  # the worker's error, not a timeout
+        assert_same_bits(pool.each("state_dict")[0], state)
+        engine.shutdown()
+        client.calls.clear()
+        with pytest.raises(RuntimeError, match="no transfer group .*shut down"):
+            engine.send_weights([patch])
+        assert client.calls == []
+
+        engine = connect(pool, client)
+        engine.send_weights([patch])
+        assert_same_bits(pool.each("state_dict")[0], applied(state, [patch]))
+        engine.shutdown()

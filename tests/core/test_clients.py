@@ -1,0 +1,256 @@
+"""Clients against real counterparts: an HTTP server on loopback, an LLM-shaped object."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.core.helpers import ExampleNet, expected_digests
+from tests.harness import RecordingModel, digest
+from weight_transfer import (
+    HTTPVLLMWeightSyncClient,
+    LocalVLLMWeightSyncClient,
+    ModuleSource,
+    VLLMWeightSyncClient,
+    WeightSyncRPCError,
+    WeightTransferConfig,
+    WeightTransferEngineFactory,
+    WeightTransferInitRequest,
+    WeightTransferTrainerFactory,
+    WeightTransferUpdateRequest,
+    WorkerSession,
+)
+
+
+@dataclass
+class Server:
+    url: str
+    seen: list[tuple[str, str, Any]] = field(default_factory=list)
+    # route -> (status, body as bytes) to answer instead of 200 {}
+    answers: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    delay_s: dict[str, float] = field(default_factory=dict)
+    weight_version: str = "v0"
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    state = Server(url="")
+
+    class Handler(BaseHTTPRequestHandler):
+        def _handle(self, method: str) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            body = json.loads(raw) if raw else None
+            state.seen.append((method, self.path, body))
+            time.sleep(state.delay_s.get(self.path, 0.0))
+            if self.path in state.answers:
+                status, payload = state.answers[self.path]
+            elif method == "GET" and self.path == "/weight_info":
+                status, payload = 200, json.dumps({"weight_version": state.weight_version}).encode()
+            else:
+                if self.path == "/finish_weight_update" and body:
+                    state.weight_version = body["weight_version"]
+                status, payload = 200, b""
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_POST(self) -> None:
+            self._handle("POST")
+
+        def do_GET(self) -> None:
+            self._handle("GET")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    state.url = f"http://127.0.0.1:{httpd.server_address[1]}/"
+    try:
+        yield state
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
+
+
+# ---------------------------------------------------------------------- HTTP
+
+
+def test_http_client_speaks_the_four_routes(server: Server) -> None:
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=10)
+    assert isinstance(client, VLLMWeightSyncClient)
+    assert client.timeout == 10 and client.base_url == server.url.rstrip("/")
+    init = {"wire_protocol": 1, "master_port": 1234, "names": ["a", "b"]}
+    update = [{"names": ["x"], "shapes": [[2, 3]]}, {"names": ["y"], "shapes": [[1]]}]
+    client.init_weight_transfer_engine(init)
+    client.start_weight_update()
+    client.update_weights(update)
+    client.finish_weight_update()
+    client.start_weight_update()
+    client.update_weights({"names": []})
+    client.finish_weight_update(weight_version="step-42")
+    assert server.seen == [
+        ("POST", "/init_weight_transfer_engine", {"init_info": init}),
+        ("POST", "/start_weight_update", None),
+        ("POST", "/update_weights", {"update_info": update}),
+        ("POST", "/finish_weight_update", None),
+        ("POST", "/start_weight_update", None),
+        ("POST", "/update_weights", {"update_info": {"names": []}}),
+        ("POST", "/finish_weight_update", {"weight_version": "step-42"}),
+    ]
+    assert client.weight_version() == "step-42"
+    client.start_draft_weight_update()
+    client.shutdown_weight_transfer_engine()
+    assert [s[1] for s in server.seen[-3:]] == [
+        "/weight_info",
+        "/start_draft_weight_update",
+        "/shutdown_weight_transfer_engine",
+    ]
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("payload", "detail"),
+    [
+        (
+            {"error": {"message": "update_weights: field 'names' is missing", "code": 400}},
+            "update_weights: field 'names' is missing",
+        ),
+        ({"error": "plain string error"}, "plain string error"),
+        ({"detail": "fastapi says no"}, "fastapi says no"),
+    ],
+)
+def test_http_error_carries_the_servers_message_and_status(
+    server: Server, payload: dict[str, Any], detail: str
+) -> None:
+    server.answers["/update_weights"] = (500, json.dumps(payload).encode())
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=10)
+    with pytest.raises(WeightSyncRPCError) as err:
+        client.update_weights({"names": ["a"]})
+    e = err.value
+    assert (e.method, e.status) == ("update_weights", 500)
+    assert e.detail == detail
+    assert str(e).startswith("update_weights failed on the inference side (HTTP 500): ")
+    assert detail in str(e)
+
+
+def test_http_error_with_a_non_json_body(server: Server) -> None:
+    server.answers["/start_weight_update"] = (409, b"a round is already active")
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=10)
+    with pytest.raises(WeightSyncRPCError, match=r"\(HTTP 409\): a round is already active") as err:
+        client.start_weight_update()
+    assert err.value.status == 409
+
+
+def test_http_timeout_raises_rpc_error(server: Server) -> None:
+    server.delay_s["/start_weight_update"] = 1.5
+    server.delay_s["/update_weights"] = 1.5
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=0.3, update_timeout=5.0)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncRPCError) as err:
+        client.start_weight_update()
+    assert time.monotonic() - t0 < 1.4
+    assert err.value.method == "start_weight_update" and err.value.status is None
+    assert "Timeout" in err.value.detail
+    client.update_weights({"names": []})  # the longer update timeout applies to update_weights
+
+
+def test_http_unreachable_server_raises_rpc_error() -> None:
+    from tests.core.helpers import free_port
+
+    client = HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{free_port()}", timeout=5)
+    with pytest.raises(WeightSyncRPCError, match="init_weight_transfer_engine failed"):
+        client.init_weight_transfer_engine({})
+
+
+# --------------------------------------------------------------------- Local
+
+
+class LLMShaped:
+    """The four RL methods of `vllm.LLM`: request objects or their dict form, in front of a
+    `WorkerSession` holding a real worker engine."""
+
+    def __init__(self, session: WorkerSession) -> None:
+        self.session = session
+        self.calls: list[tuple[str, Any]] = []
+
+    def init_weight_transfer_engine(self, request: WeightTransferInitRequest | dict[str, Any]) -> None:
+        if isinstance(request, dict):
+            request = WeightTransferInitRequest(**request)
+        self.calls.append(("init", request.init_info))
+        self.session.init_weight_transfer_engine(request)
+
+    def start_weight_update(self) -> None:
+        self.calls.append(("start", None))
+        self.session.start_weight_update()
+
+    def update_weights(self, request: WeightTransferUpdateRequest | dict[str, Any]) -> None:
+        if isinstance(request, dict):
+            request = WeightTransferUpdateRequest(**request)
+        self.calls.append(("update", request.update_info))
+        self.session.update_weights(request)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(("finish", weight_version))
+        self.session.finish_weight_update(weight_version)
+
+
+def test_local_client_drives_an_in_process_worker_end_to_end(tmp_path: Path) -> None:
+    from wt_example.trainer import FileTrainerInitInfo
+
+    model = ExampleNet(seed=8)
+    names = [n for n, _ in model.named_parameters()]
+    worker_model = RecordingModel(names)
+    session = WorkerSession(
+        WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig("example_file"), None, "cpu", worker_model
+        )
+    )
+    llm = LLMShaped(session)
+    client = LocalVLLMWeightSyncClient(llm)
+    assert isinstance(client, VLLMWeightSyncClient)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        FileTrainerInitInfo(str(tmp_path), rank=0), client=client, source=ModuleSource(model)
+    )
+    engine.send_weights()
+    assert {n: digest(t) for n, t in worker_model.received.items()} == expected_digests(model)
+    assert [c for c, _ in llm.calls] == ["init", "start", "update", "finish"]
+    assert llm.calls[0][1]["directory"] == str(tmp_path)
+    assert llm.calls[2][1]["names"] == names
+    assert not session.active
+
+    with pytest.raises(WeightSyncRPCError) as err:
+        client.finish_weight_update(weight_version="v1")  # no round is open
+    assert err.value.method == "finish_weight_update"
+    assert "RuntimeError: finish_weight_update called without a matching start" in str(err.value)
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+
+def test_local_client_passes_weight_version_only_when_given() -> None:
+    class Plain:
+        def __init__(self) -> None:
+            self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+        def finish_weight_update(self, *args: Any, **kwargs: Any) -> None:
+            self.calls.append((args, kwargs))
+
+    llm = Plain()
+    client = LocalVLLMWeightSyncClient(llm)
+    client.finish_weight_update()
+    client.finish_weight_update("v2")
+    assert llm.calls == [((), {}), ((), {"weight_version": "v2"})]
+

@@ -1,0 +1,281 @@
+"""`TrainerInitInfo`, the `WeightTransferEngine` base class, `WorkerPosition`, `DirectLoader`."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from tests.core.helpers import EchoEngine, TinyModel
+from weight_transfer import (
+    TrainerInitInfo,
+    WeightTransferConfig,
+    WeightTransferInitRequest,
+    WeightTransferUpdateRequest,
+    WorkerPosition,
+    __version__,
+)
+from weight_transfer.base import synchronize_device
+from weight_transfer.loading import DirectLoader, loader_for
+from weight_transfer.position import worker_position
+from weight_transfer.transport.wire import (
+    WIRE_PROTOCOL_VERSION,
+    ProtocolMismatchError,
+    check_wire_protocol,
+)
+
+# ------------------------------------------------------------- TrainerInitInfo
+
+
+@dataclasses.dataclass
+class _MyInfo(TrainerInitInfo):
+    backend: ClassVar[str] = "my_backend"
+
+    endpoint: str  # positional field after the base's keyword-only rank
+    size: int = 4
+
+
+def test_trainer_init_info_subclass_without_backend_raises_at_definition() -> None:
+    with pytest.raises(TypeError, match=r"NoBackend must set the ClassVar `backend`"):
+
+        @dataclasses.dataclass
+        class NoBackend(TrainerInitInfo):
+            endpoint: str = ""
+
+    with pytest.raises(TypeError, match="EmptyBackend"):
+
+        @dataclasses.dataclass
+        class EmptyBackend(TrainerInitInfo):
+            backend: ClassVar[str] = ""
+
+
+def test_trainer_init_info_rank_is_keyword_only_and_backend_not_a_field() -> None:
+    info = _MyInfo("tcp://x", rank=2)
+    assert (info.endpoint, info.size, info.rank, info.backend) == ("tcp://x", 4, 2, "my_backend")
+    assert "backend" not in {f.name for f in dataclasses.fields(info)}
+    with pytest.raises(TypeError):
+        _MyInfo("tcp://x", 4, 0)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        _MyInfo("tcp://x")  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        _MyInfo("tcp://x", rank=0, backend="other")  # type: ignore[call-arg]
+
+
+def test_is_sender_only_for_rank_zero() -> None:
+    assert [_MyInfo("e", rank=r).is_sender for r in range(3)] == [True, False, False]
+
+
+# --------------------------------------------------------- the engine base
+
+
+def _engine(vllm_config: Any = None, device: str = "cpu") -> EchoEngine:
+    return EchoEngine(WeightTransferConfig("echo"), vllm_config, device, TinyModel())
+
+
+def _init(**extra: Any) -> dict[str, Any]:
+    return {"wire_protocol": WIRE_PROTOCOL_VERSION, "endpoint": "tcp://127.0.0.1:1", **extra}
+
+
+def test_parse_init_info_builds_the_typed_dataclass() -> None:
+    info = _engine().parse_init_info(_init(chunk_bytes=64, labels={"a": 1}))
+    assert (info.endpoint, info.chunk_bytes, info.labels, info.wire_protocol) == (
+        "tcp://127.0.0.1:1",
+        64,
+        {"a": 1},
+        WIRE_PROTOCOL_VERSION,
+    )
+
+
+@pytest.mark.parametrize(
+    ("payload", "pattern"),
+    [
+        (_init(chunk_size=4), r"init_info: unknown field 'chunk_size' for EchoInitInfo"),
+        ({"wire_protocol": WIRE_PROTOCOL_VERSION}, r"missing required field 'endpoint'"),
+        (_init(chunk_bytes="64"), r"field 'chunk_bytes': expected int, got str"),
+        (_init(endpoint=7), r"field 'endpoint': expected str, got int"),
+        (_init(labels={"a": "x"}), r"field \"labels\['a'\]\": expected int"),
+    ],
+)
+def test_parse_init_info_names_the_bad_field(payload: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        _engine().parse_init_info(payload)
+
+
+def test_unknown_field_message_lists_accepted_fields() -> None:
+    with pytest.raises(ValueError, match=r"accepted fields: chunk_bytes, endpoint, labels"):
+        _engine().parse_init_info(_init(bogus=1))
+
+
+def test_wire_protocol_missing() -> None:
+    with pytest.raises(ProtocolMismatchError, match=r"missing field 'wire_protocol'") as err:
+        _engine().parse_init_info({"endpoint": "e"})
+    assert isinstance(err.value, ValueError)
+    assert f"wt-core {__version__}" in str(err.value)
+
+
+def test_wire_protocol_different_version_names_both_and_says_to_align() -> None:
+    other = WIRE_PROTOCOL_VERSION + 41
+    with pytest.raises(ValueError) as err:
+        _engine().parse_init_info(_init(wire_protocol=other))
+    msg = str(err.value)
+    assert f"trainer speaks wire protocol {other}" in msg
+    assert f"this worker speaks {WIRE_PROTOCOL_VERSION}" in msg
+    assert "install the same wt-core version" in msg
+    assert f"wt-core {__version__}" in msg
+
+
+def test_wire_protocol_is_checked_before_fields() -> None:
+    # a mismatched trainer's unknown fields must not mask the real cause
+    with pytest.raises(ProtocolMismatchError):
+        _engine().parse_init_info({"wire_protocol": 999, "some_new_field": 1})
+    check_wire_protocol({"wire_protocol": WIRE_PROTOCOL_VERSION})
+
+
+@pytest.mark.parametrize(
+    ("payload", "pattern"),
+    [
+        ({"names": ["a"]}, r"update_info: missing required field 'values' for EchoUpdateInfo"),
+        ({"names": ["a"], "values": [1.0], "extra": 1}, r"update_info: unknown field 'extra'"),
+        ({"names": "a", "values": [1.0]}, r"field 'names': expected a list, got str"),
+        ({"names": ["a", 3], "values": [1.0]}, r"field 'names\[1\]': expected str"),
+        ({"names": ["a"], "values": [1.0], "fail": 1}, r"field 'fail': expected bool, got int"),
+        ({"names": ["a"], "values": [1.0], "note": 5}, r"field 'note': expected"),
+        (["not", "a", "dict"], r"update_info: expected an object, got list"),
+    ],
+)
+def test_parse_update_info_names_the_bad_field(payload: Any, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        _engine().parse_update_info(payload)
+
+
+def test_update_weights_on_cpu_loads_and_does_not_need_an_accelerator() -> None:
+    engine = _engine()
+    engine.start_weight_update()
+    engine.update_weights({"names": ["a", "b"], "values": [1.5, -2.0]})
+    engine.finish_weight_update()
+    assert engine.calls == ["start", "receive", "finish"]
+    assert torch.equal(engine.model.a, torch.full((3,), 1.5))
+    assert torch.equal(engine.model.b, torch.full((2, 2), -2.0))
+    synchronize_device(torch.device("cpu"))
+    synchronize_device(torch.device("meta"))
+
+
+def test_update_weights_aborts_the_round_on_a_receive_failure() -> None:
+    engine = _engine()
+    engine.start_weight_update()
+    engine.update_weights({"names": ["a"], "values": [3.0]})
+    with pytest.raises(RuntimeError, match="told to fail"):
+        engine.update_weights({"names": ["b"], "values": [9.0], "fail": True})
+    assert engine.calls == ["start", "receive", "receive", "abort"]
+    # DirectLoader restored what the model served before start
+    assert torch.equal(engine.model.a, torch.zeros(3))
+    assert torch.equal(engine.model.b, torch.zeros(2, 2))
+
+
+def test_update_weights_aborts_on_a_parse_failure() -> None:
+    engine = _engine()
+    engine.start_weight_update()
+    with pytest.raises(ValueError, match="missing required field 'names'"):
+        engine.update_weights({"values": [1.0]})
+    assert engine.calls == ["start", "abort"]
+
+
+def test_drain_pending_is_idempotent_and_flags_have_defaults() -> None:
+    engine = _engine()
+    engine.drain_pending()
+    engine.drain_pending()
+    assert EchoEngine.defers_processing is False
+    assert EchoEngine.supports_draft_weight_update is True
+
+
+def test_set_and_reset_weight_update_target() -> None:
+    main_model = TinyModel()
+    engine = EchoEngine(WeightTransferConfig("echo"), None, "cpu", main_model)
+    draft, draft_config = TinyModel(), SimpleNamespace(name="draft")
+    engine.set_weight_update_target(draft, draft_config)
+    assert engine.model is draft and engine.model_config is draft_config
+    engine.start_weight_update()
+    engine.update_weights({"names": ["a"], "values": [7.0]})
+    engine.finish_weight_update()
+    engine.reset_weight_update_target()
+    assert engine.model is main_model and engine.model_config is None
+    assert torch.equal(draft.a, torch.full((3,), 7.0))
+    assert torch.equal(main_model.a, torch.zeros(3))
+
+
+def test_request_classes_carry_plain_dicts() -> None:
+    assert WeightTransferInitRequest().init_info == {}
+    assert WeightTransferUpdateRequest([{"a": 1}]).update_info == [{"a": 1}]
+
+
+# ---------------------------------------------------------------- positions
+
+
+def test_worker_position_from_none_position_and_parallel_config() -> None:
+    assert worker_position(None) == WorkerPosition(0, 1, 0, 1)
+    pos = WorkerPosition(rank=1, world_size=2, data_parallel_index=1, data_parallel_size=3)
+    assert worker_position(pos) is pos
+    assert (pos.global_index, pos.total_workers) == (3, 6)
+
+    vllm_like = SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            rank=1, world_size=4, data_parallel_rank=2, data_parallel_size=3
+        ),
+        model_config=SimpleNamespace(name="m"),
+    )
+    got = worker_position(vllm_like)
+    assert got == WorkerPosition(1, 4, 2, 3)
+    assert got.global_index == 9
+    # data_parallel_index wins over data_parallel_rank when both exist
+    vllm_like.parallel_config.data_parallel_index = 1
+    assert worker_position(vllm_like).data_parallel_index == 1
+
+    engine = _engine(vllm_like)
+    assert engine.position.global_index == 5
+    assert engine.parallel_config is vllm_like.parallel_config
+    assert engine.model_config is vllm_like.model_config
+
+
+def test_worker_position_rejects_other_objects_and_bad_ranks() -> None:
+    with pytest.raises(TypeError, match=r"WorkerPosition or None; got str"):
+        worker_position("rank0")
+    with pytest.raises(ValueError, match=r"rank 2 is outside \[0, 2\)"):
+        WorkerPosition(rank=2, world_size=2)
+    with pytest.raises(ValueError, match=r"data_parallel_index 1 is outside \[0, 1\)"):
+        WorkerPosition(data_parallel_index=1)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_direct_loader_commit_keeps_and_abort_restores_bit_exactly() -> None:
+    model = TinyModel()
+    with torch.no_grad():
+        model.a.copy_(torch.tensor([0.1, float("nan"), -0.0]))
+    before = model.a.detach().clone().view(torch.int32)
+    loader = loader_for(model, None)
+    assert isinstance(loader, DirectLoader)
+    loader.begin()
+    loader.load([("a", torch.ones(3))])
+    assert torch.equal(model.a, torch.ones(3))
+    loader.abort()
+    loader.abort()  # idempotent
+    assert torch.equal(model.a.detach().view(torch.int32), before)
+    loader.begin()
+    loader.load([("b", torch.full((2, 2), 4.0))])
+    loader.commit()
+    loader.abort()  # after commit: nothing to undo
+    assert torch.equal(model.b, torch.full((2, 2), 4.0))
+
+
+def test_loader_provider_is_tried_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    from weight_transfer import loading
+
+    monkeypatch.setattr(loading, "_providers", [])
+    sentinel = DirectLoader(TinyModel(), snapshot_all=False)
+    loading.register_loader_provider(lambda model, cfg: sentinel if cfg == "mine" else None)
+    assert loader_for(TinyModel(), "mine") is sentinel
+    assert loader_for(TinyModel(), None) is not sentinel

@@ -1,0 +1,321 @@
+"""Real inference-worker processes for backend tests, reached over loopback sockets.
+
+`WorkerPool(backend, n)` spawns `n` OS processes. Each creates its engine
+through `WeightTransferEngineFactory` (so entry points are exercised), wraps it
+in a `WorkerSession` (the same state machine vLLM's worker runs) and serves
+calls on a `multiprocessing.connection` listener bound to 127.0.0.1.
+`pool.client()` returns a `VLLMWeightSyncClient` that fans every call out to
+all workers and blocks on all of them, with a timeout; it is picklable, so a
+trainer in another process can use it.
+
+The model in each worker is a `RecordingModel`: its `load_weights` keeps the
+tensors it is handed *by reference* until every name of their layer
+(`layerwise_groups`) has arrived and only then copies them, which is how
+vLLM's layerwise reload treats loader arguments. A backend that reuses a
+buffer too early therefore records wrong values. With
+`model_factory="module:function"` (importable in the child) each worker builds
+that model instead; `pool.each("state_dict")` returns its parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+import torch
+
+AUTHKEY = b"wt-tests"
+CALL_TIMEOUT_S = 120.0
+
+
+class RecordingModel(torch.nn.Module):
+    """Records what `load_weights` receives, holding references until a layer completes.
+
+    `fail_on`: a name whose arrival raises (as an unknown parameter would).
+    `load_delay_s`: sleep per `load_weights` call (to widen a race window).
+    """
+
+    def __init__(
+        self,
+        names: list[str] | None = None,
+        *,
+        fail_on: str | None = None,
+        load_delay_s: float = 0.0,
+    ) -> None:
+        super().__init__()
+        from weight_transfer import layerwise_groups
+
+        self.fail_on = fail_on
+        self.load_delay_s = load_delay_s
+        self.group_of: dict[str, int] = {}
+        self.group_sizes: list[int] = []
+        if names is not None:
+            self.set_names(names)
+        self.held: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self.received: dict[str, torch.Tensor] = {}
+        self.load_calls = 0
+        self._layerwise_groups = layerwise_groups
+
+    def set_names(self, names: list[str]) -> None:
+        """Declare the parameter names (their layers) and forget what was received."""
+        from weight_transfer import layerwise_groups
+
+        self.held, self.received = {}, {}
+        self.group_of, self.group_sizes = {}, []
+        for gi, group in enumerate(layerwise_groups(names)):
+            self.group_sizes.append(len(group))
+            for n in group:
+                self.group_of[n] = gi
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        self.load_calls += 1
+        if self.load_delay_s:
+            time.sleep(self.load_delay_s)
+        loaded = set()
+        for name, tensor in weights:
+            if name == self.fail_on:
+                raise ValueError(f"RecordingModel has no parameter named {name!r}")
+            gi = self.group_of.get(name, -1)
+            if gi < 0:  # names not declared up front are copied at once
+                self.received[name] = tensor.clone()
+            else:
+                held = self.held.setdefault(gi, [])
+                if any(n == name for n, _ in held):  # a new round after an aborted one
+                    held.clear()
+                held.append((name, tensor))
+                if len(held) == self.group_sizes[gi]:
+                    for n, t in self.held.pop(gi):
+                        self.received[n] = t.clone()
+            loaded.add(name)
+        return loaded
+
+
+@dataclass
+class WorkerSpec:
+    backend: str
+    rank: int
+    world_size: int
+    names: list[str] | None = None
+    fail_on: str | None = None
+    load_delay_s: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)
+    model_factory: str | None = None
+
+
+def _make_model(spec: WorkerSpec) -> Any:
+    """`RecordingModel`, or the model `spec.model_factory` ("module:function") builds."""
+    if spec.model_factory is None:
+        return RecordingModel(spec.names, fail_on=spec.fail_on, load_delay_s=spec.load_delay_s)
+    import importlib
+
+    module, _, function = spec.model_factory.partition(":")
+    return getattr(importlib.import_module(module), function)()
+
+
+def _serve(spec: WorkerSpec, ready: Any) -> None:
+    os.environ.update(spec.env)
+    torch.set_num_threads(1)
+    from weight_transfer import (
+        WeightTransferConfig,
+        WeightTransferEngineFactory,
+        WorkerPosition,
+        WorkerSession,
+    )
+
+    model = _make_model(spec)
+    try:
+        engine = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(spec.backend),
+            WorkerPosition(rank=spec.rank, world_size=spec.world_size),
+            "cpu",
+            model,
+        )
+    except Exception as e:
+        ready.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    session = WorkerSession(engine)
+    lock = threading.Lock()
+    listener = Listener(("127.0.0.1", 0), authkey=AUTHKEY)
+    ready.send(("ok", listener.address))
+
+    def local(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if method == "received":
+            return {n: t.clone() for n, t in model.received.items()}
+        if method == "digests":
+            return {n: _digest(t) for n, t in model.received.items()}
+        if method == "set_names":
+            model.set_names(*args)
+            return None
+        if method == "set_fail_on":
+            model.fail_on = args[0]
+            return None
+        if method == "load_calls":
+            return model.load_calls
+        if method == "state_dict":
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+        return getattr(session, method)(*args, **kwargs)
+
+    def handle(conn: Connection) -> None:
+        with conn:
+            while True:
+                try:
+                    method, args, kwargs = conn.recv()
+                except (EOFError, OSError):
+                    return
+                try:
+                    with lock:
+                        result = ("ok", local(method, args, kwargs))
+                except BaseException as e:
+                    result = ("err", f"{type(e).__name__}: {e}", traceback.format_exc())
+                try:
+                    conn.send(result)
+                except (OSError, BrokenPipeError):
+                    return
+
+    while True:
+        conn = listener.accept()
+        threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+
+def _digest(t: torch.Tensor) -> str:
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(data).hexdigest()}"
+
+
+def digest(t: torch.Tensor) -> str:
+    """Bit-exact fingerprint of a tensor: dtype, shape and a hash of its bytes."""
+    return _digest(t)
+
+
+class FanoutClient:
+    """Calls every worker, blocks on all; raises `WeightSyncRPCError` naming the worker."""
+
+    def __init__(self, addresses: list[Any], timeout_s: float = CALL_TIMEOUT_S) -> None:
+        self.addresses = addresses
+        self.timeout_s = timeout_s
+        self._conns: list[Connection] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"addresses": self.addresses, "timeout_s": self.timeout_s, "_conns": None}
+
+    def _connections(self) -> list[Connection]:
+        if self._conns is None:
+            self._conns = [Client(a, authkey=AUTHKEY) for a in self.addresses]
+        return self._conns
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        from weight_transfer.clients import WeightSyncRPCError
+
+        conns = self._connections()
+        for c in conns:
+            c.send((method, args, kwargs))
+        results: list[Any] = [None] * len(conns)
+        deadline = time.monotonic() + self.timeout_s
+        pending = set(range(len(conns)))
+        while pending:
+            for i in sorted(pending):
+                c = conns[i]
+                try:
+                    ready = c.poll(0.01)
+                except (EOFError, OSError) as e:
+                    self._conns = None
+                    raise WeightSyncRPCError(method, f"worker {i} is gone ({e})") from e
+                if not ready:
+                    continue
+                try:
+                    reply = c.recv()
+                except (EOFError, OSError) as e:
+                    self._conns = None
+                    raise WeightSyncRPCError(method, f"worker {i} is gone ({e})") from e
+                pending.discard(i)
+                if reply[0] == "err":
+                    self._conns = None  # later replies of this call are abandoned
+                    raise WeightSyncRPCError(method, f"worker {i}: {reply[1]}")
+                results[i] = reply[1]
+            if pending and time.monotonic() > deadline:
+                self._conns = None
+                raise WeightSyncRPCError(
+                    method, f"workers {sorted(pending)} gave no answer within {self.timeout_s:g}s"
+                )
+        return results
+
+    # the VLLMWeightSyncClient protocol
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self.call("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self.call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.call("finish_weight_update", weight_version)
+
+
+class WorkerPool:
+    """`n` worker processes of `backend`; use as a context manager (stops them by PID)."""
+
+    def __init__(
+        self,
+        backend: str,
+        n: int,
+        *,
+        names: list[str] | None = None,
+        fail_on: str | None = None,
+        load_delay_s: float = 0.0,
+        start_timeout_s: float = 120.0,
+        model_factory: str | None = None,
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.processes: list[Any] = []
+        self.addresses: list[Any] = []
+        for rank in range(n):
+            parent, child = ctx.Pipe()
+            spec = WorkerSpec(
+                backend, rank, n, names, fail_on, load_delay_s, model_factory=model_factory
+            )
+            p = ctx.Process(target=_serve, args=(spec, child), daemon=True)
+            p.start()
+            self.processes.append(p)
+            if not parent.poll(start_timeout_s):
+                self.stop()
+                raise TimeoutError(f"worker {rank} did not start within {start_timeout_s}s")
+            status, payload = parent.recv()
+            if status != "ok":
+                self.stop()
+                raise RuntimeError(f"worker {rank} failed to start: {payload}")
+            self.addresses.append(payload)
+
+    def client(self, timeout_s: float = CALL_TIMEOUT_S) -> FanoutClient:
+        return FanoutClient(self.addresses, timeout_s)
+
+    def each(self, method: str, *args: Any) -> list[Any]:
+        """Call a harness method (`received`, `digests`, ...) on every worker."""
+        return FanoutClient(self.addresses).call(method, *args)
+
+    def kill(self, i: int) -> None:
+        p = self.processes[i]
+        if p.is_alive() and p.pid is not None:
+            os.kill(p.pid, 9)
+            p.join(10)
+
+    def stop(self) -> None:
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,20 @@
+"""Run inside a fresh venv by `nox -s wheels`: argv[1] is the comma-separated set of
+backends both factories must find (empty for wt-core alone)."""
+
+import sys
+
+import weight_transfer
+from weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+expected = {b for b in sys.argv[1].split(",") if b}
+heavy = {"vllm", "ray", "httpx"} & set(sys.modules)
+assert not heavy, f"import weight_transfer imported {heavy}"
+for factory in (WeightTransferTrainerFactory, WeightTransferEngineFactory):
+    found = factory.available_backends()
+    assert set(found) == expected, (
+        f"{factory.__name__} found {sorted(found)}, expected {sorted(expected)}"
+    )
+    for name in expected:
+        assert found[name].distribution == f"wt-{name.replace('_', '-')}", found[name]
+        factory.get_engine_class(name)
+print(f"wt-core {weight_transfer.__version__}: backends {sorted(expected) or 'none'} as expected")
