@@ -108,6 +108,7 @@ class WorkerSpec:
     load_delay_s: float = 0.0
     env: dict[str, str] = field(default_factory=dict)
     model_factory: str | None = None
+    device: str = "cpu"
 
 
 def _make_model(spec: WorkerSpec) -> Any:
@@ -135,7 +136,7 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
         engine = WeightTransferEngineFactory.create_engine(
             WeightTransferConfig(spec.backend),
             WorkerPosition(rank=spec.rank, world_size=spec.world_size),
-            "cpu",
+            spec.device,
             model,
         )
     except Exception as e:
@@ -160,7 +161,7 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
         if method == "load_calls":
             return model.load_calls
         if method == "state_dict":
-            return {n: p.detach().clone() for n, p in model.named_parameters()}
+            return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
         return getattr(session, method)(*args, **kwargs)
 
     def handle(conn: Connection) -> None:
@@ -186,7 +187,7 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
 
 
 def _digest(t: torch.Tensor) -> str:
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     return f"{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(data).hexdigest()}"
 
 
@@ -274,18 +275,29 @@ class WorkerPool:
         load_delay_s: float = 0.0,
         start_timeout_s: float = 120.0,
         model_factory: str | None = None,
+        devices: list[str] | None = None,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.processes: list[Any] = []
         self.addresses: list[Any] = []
+        pipes = []
         for rank in range(n):
             parent, child = ctx.Pipe()
             spec = WorkerSpec(
-                backend, rank, n, names, fail_on, load_delay_s, model_factory=model_factory
+                backend,
+                rank,
+                n,
+                names,
+                fail_on,
+                load_delay_s,
+                model_factory=model_factory,
+                device=devices[rank] if devices else "cpu",
             )
             p = ctx.Process(target=_serve, args=(spec, child), daemon=True)
             p.start()
             self.processes.append(p)
+            pipes.append(parent)
+        for rank, parent in enumerate(pipes):
             if not parent.poll(start_timeout_s):
                 self.stop()
                 raise TimeoutError(f"worker {rank} did not start within {start_timeout_s}s")

@@ -76,7 +76,9 @@ def server() -> Iterator[Server]:
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread = threading.Thread(
+        target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    )
     thread.start()
     state.url = f"http://127.0.0.1:{httpd.server_address[1]}/"
     try:
@@ -188,7 +190,9 @@ class LLMShaped:
         self.session = session
         self.calls: list[tuple[str, Any]] = []
 
-    def init_weight_transfer_engine(self, request: WeightTransferInitRequest | dict[str, Any]) -> None:
+    def init_weight_transfer_engine(
+        self, request: WeightTransferInitRequest | dict[str, Any]
+    ) -> None:
         if isinstance(request, dict):
             request = WeightTransferInitRequest(**request)
         self.calls.append(("init", request.init_info))
@@ -253,4 +257,3 @@ def test_local_client_passes_weight_version_only_when_given() -> None:
     client.finish_weight_update()
     client.finish_weight_update("v2")
     assert llm.calls == [((), {}), ((), {"weight_version": "v2"})]
-

@@ -50,7 +50,9 @@ def test_both_factories_find_example_file_through_entry_points() -> None:
         assert factory.registry._registered.get("example_file") is None  # not registered by hand
 
 
-def test_three_rounds_move_mixed_dtype_weights_bit_exactly(pool: WorkerPool, tmp_path: Path) -> None:
+def test_three_rounds_move_mixed_dtype_weights_bit_exactly(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
     model = ExampleNet(seed=1)
     dtypes = {str(p.dtype) for p in model.parameters()}
     assert dtypes == {"torch.float32", "torch.bfloat16", "torch.int64"}
@@ -111,7 +113,8 @@ def test_a_failing_worker_raises_naming_the_worker(tmp_path: Path) -> None:
         with pytest.raises(WeightSyncRPCError) as err:
             engine.send_weights()
         assert err.value.method == "update_weights"
-        assert "worker 1: ValueError: RecordingModel has no parameter named 'layers.0.weight'" in str(
-            err.value
+        assert (
+            "worker 1: ValueError: RecordingModel has no parameter named 'layers.0.weight'"
+            in str(err.value)
         )
         assert os.listdir(tmp_path) == []

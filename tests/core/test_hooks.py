@@ -25,23 +25,53 @@ class Recorder:
         self.events: list[tuple[str, dict[str, Any]]] = []
 
     @hookimpl
-    def wt_sync_started(self, backend: str, sync_id: int, num_params: int, total_bytes: int) -> None:
-        self.events.append(("started", dict(backend=backend, sync_id=sync_id, num_params=num_params, total_bytes=total_bytes)))
+    def wt_sync_started(
+        self, backend: str, sync_id: int, num_params: int, total_bytes: int
+    ) -> None:
+        self.events.append(
+            (
+                "started",
+                dict(
+                    backend=backend, sync_id=sync_id, num_params=num_params, total_bytes=total_bytes
+                ),
+            )
+        )
 
     @hookimpl
-    def wt_chunk_moved(self, backend: str, sync_id: int, index: int, num_chunks: int, nbytes: int) -> None:
-        self.events.append(("chunk", dict(sync_id=sync_id, index=index, num_chunks=num_chunks, nbytes=nbytes)))
+    def wt_chunk_moved(
+        self, backend: str, sync_id: int, index: int, num_chunks: int, nbytes: int
+    ) -> None:
+        self.events.append(
+            ("chunk", dict(sync_id=sync_id, index=index, num_chunks=num_chunks, nbytes=nbytes))
+        )
 
     @hookimpl
     def wt_sync_finished(
-        self, backend: str, sync_id: int, num_params: int, total_bytes: int, seconds: float,
+        self,
+        backend: str,
+        sync_id: int,
+        num_params: int,
+        total_bytes: int,
+        seconds: float,
         weight_version: str | None,
     ) -> None:
         assert seconds > 0
-        self.events.append(("finished", dict(sync_id=sync_id, num_params=num_params, total_bytes=total_bytes, weight_version=weight_version)))
+        self.events.append(
+            (
+                "finished",
+                dict(
+                    sync_id=sync_id,
+                    num_params=num_params,
+                    total_bytes=total_bytes,
+                    weight_version=weight_version,
+                ),
+            )
+        )
 
     @hookimpl
-    def wt_sync_failed(self, backend: str, sync_id: int, error: BaseException, seconds: float) -> None:
+    def wt_sync_failed(
+        self, backend: str, sync_id: int, error: BaseException, seconds: float
+    ) -> None:
         assert seconds >= 0
         self.events.append(("failed", dict(backend=backend, sync_id=sync_id, error=error)))
 
@@ -88,9 +118,22 @@ def test_hooks_see_each_sync_with_counts_and_bytes(pool: WorkerPool, tmp_path: P
     expected: list[tuple[str, dict[str, Any]]] = []
     for sync_id in (1, 2):
         expected += [
-            ("started", dict(backend="example_file", sync_id=sync_id, num_params=num_params, total_bytes=total)),
+            (
+                "started",
+                dict(
+                    backend="example_file",
+                    sync_id=sync_id,
+                    num_params=num_params,
+                    total_bytes=total,
+                ),
+            ),
             ("chunk", dict(sync_id=sync_id, index=0, num_chunks=1, nbytes=total)),
-            ("finished", dict(sync_id=sync_id, num_params=num_params, total_bytes=total, weight_version=None)),
+            (
+                "finished",
+                dict(
+                    sync_id=sync_id, num_params=num_params, total_bytes=total, weight_version=None
+                ),
+            ),
         ]
     assert recorder.events == expected
 
@@ -114,7 +157,8 @@ def test_a_raising_hook_breaks_neither_the_sync_nor_other_hooks(
     }
     # the built-in implementation still logged the sync
     assert any(
-        r.getMessage().startswith(f"wt example_file sync 1: {len(NAMES)} params") for r in caplog.records
+        r.getMessage().startswith(f"wt example_file sync 1: {len(NAMES)} params")
+        for r in caplog.records
     )
 
 

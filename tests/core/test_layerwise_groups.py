@@ -93,7 +93,10 @@ def test_vision_tower_projector_and_language_layers() -> None:
 
 def test_same_index_under_different_stacks_are_different_layers() -> None:
     names = ["visual.blocks.0.w", "model.layers.0.w", "model.layers.0.b"]
-    assert layerwise_groups(names) == [["visual.blocks.0.w"], ["model.layers.0.w", "model.layers.0.b"]]
+    assert layerwise_groups(names) == [
+        ["visual.blocks.0.w"],
+        ["model.layers.0.w", "model.layers.0.b"],
+    ]
 
 
 def test_metadata_order_defines_the_partition() -> None:

@@ -75,9 +75,7 @@ def _rank_main(rank: int, port: int, results: Any) -> None:
         with CommDebugMode() as comm:
             for _ in range(2):
                 out = list(source)
-                passes.append(
-                    [(n, type(t) is torch.Tensor, digest(t)) for n, t in out]
-                )
+                passes.append([(n, type(t) is torch.Tensor, digest(t)) for n, t in out])
         iter_comms = comm.get_total_counts()
         dist.barrier()
         dist.destroy_process_group()

@@ -69,6 +69,14 @@ class NotAnEngine:
 not_a_class = 3
 """
 
+LAZY_SRC = """
+from tests.core.helpers import EchoEngine
+
+
+class LazyEngine(EchoEngine):
+    pass
+"""
+
 BROKEN_SRC = """
 raise RuntimeError("plugin exploded at import")
 """
@@ -204,29 +212,34 @@ def test_two_distributions_advertising_one_name_is_refused(
         entry_points={"weight_transfer.engine": {"throwaway": f"{plugin.engine_mod}:X"}},
         modules={},
     )
-    with pytest.raises(ValueError, match=r"advertised by several distributions \(wt-rival, wt-throwaway\)"):
+    with pytest.raises(
+        ValueError, match=r"advertised by several distributions \(wt-rival, wt-throwaway\)"
+    ):
         WeightTransferEngineFactory.get_engine_class("throwaway")
 
 
 def test_entry_point_names_cannot_be_registered_over(plugin: Plugin) -> None:
-    with pytest.raises(ValueError, match=r"'throwaway' is already registered \(throwaway \(wt-throwaway 0\.3\.1\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'throwaway' is already registered \(throwaway \(wt-throwaway 0\.3\.1\)\)",
+    ):
         WeightTransferEngineFactory.register_engine("throwaway", EchoEngine)
-    with pytest.raises(ValueError, match=r"'example_file' is already registered .*wt-example 0\.1\.0"):
+    with pytest.raises(
+        ValueError, match=r"'example_file' is already registered .*wt-example 0\.1\.0"
+    ):
         WeightTransferTrainerFactory.register_engine("example_file", "x.y", "Z")
 
 
 # ---------------------------------------------------------- in-process registration
 
 
-def test_lazy_registration_imports_on_first_use_only(
-    make_dist: MakeDist, unique: str
-) -> None:
+def test_lazy_registration_imports_on_first_use_only(make_dist: MakeDist, unique: str) -> None:
     mod = f"wt_tmp_{unique}_lazy"
     make_dist(
         "wt-lazy-holder",
         "0.0.1",
         entry_points={},
-        modules={mod: "from tests.core.helpers import EchoEngine\n\nclass LazyEngine(EchoEngine):\n    pass\n"},
+        modules={mod: LAZY_SRC},
     )
     name = f"lazy_{unique}"
     WeightTransferEngineFactory.register_engine(name, mod, "LazyEngine")
@@ -246,8 +259,13 @@ def test_direct_class_registration_and_duplicates() -> None:
     assert WeightTransferEngineFactory.available_backends()["echo_direct"].target == (
         "tests.core.helpers:EchoEngine"
     )
-    with pytest.raises(ValueError, match=r"'echo_direct' is already registered \(echo_direct \(registered in-process\)\)"):
-        WeightTransferEngineFactory.register_engine("echo_direct", "tests.core.helpers", "EchoEngine")
+    with pytest.raises(
+        ValueError,
+        match=r"'echo_direct' is already registered \(echo_direct \(registered in-process\)\)",
+    ):
+        WeightTransferEngineFactory.register_engine(
+            "echo_direct", "tests.core.helpers", "EchoEngine"
+        )
     # the two registries are independent
     assert "echo_direct" not in WeightTransferTrainerFactory.available_backends()
 
@@ -260,12 +278,14 @@ def test_module_path_without_class_name_raises() -> None:
 
 def test_lazy_registration_of_a_non_subclass_fails_at_resolution() -> None:
     WeightTransferEngineFactory.register_engine("tiny_model", "tests.core.helpers", "TinyModel")
-    with pytest.raises(TypeError, match=r"'tiny_model' \(tests\.core\.helpers:TinyModel, .*is not a subclass"):
+    with pytest.raises(
+        TypeError, match=r"'tiny_model' \(tests\.core\.helpers:TinyModel, .*is not a subclass"
+    ):
         WeightTransferEngineFactory.get_engine_class("tiny_model")
 
 
 def test_create_engine_needs_a_backend_name() -> None:
-    with pytest.raises(ValueError, match="config.backend must name"):
+    with pytest.raises(ValueError, match=r"config\.backend must name"):
         WeightTransferEngineFactory.create_engine(object(), None, "cpu", TinyModel())
 
 
@@ -335,7 +355,11 @@ def test_wt_backends_lists_distributions_and_versions(
 def test_wt_backends_console_script(plugin: Plugin) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin.root), *sys.path])}
     wt = Path(sys.executable).with_name("wt")
-    cmd = [str(wt), "backends"] if wt.exists() else [sys.executable, "-m", "weight_transfer.cli", "backends"]
+    cmd = (
+        [str(wt), "backends"]
+        if wt.exists()
+        else [sys.executable, "-m", "weight_transfer.cli", "backends"]
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=False)
     assert proc.returncode == 0, proc.stderr
     assert [c.strip() for c in _row(proc.stdout, "example_file")] == ["wt-example 0.1.0"] * 2

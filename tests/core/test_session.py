@@ -46,21 +46,34 @@ def test_a_full_round_and_weight_version() -> None:
     s.start_weight_update()
     s.finish_weight_update()
     assert s.weight_version == "v1"  # None keeps the previous version
-    assert _engine(s).calls == ["init", "init", "start", "receive", "receive", "finish", "start", "finish"]
+    assert _engine(s).calls == [
+        "init",
+        "init",
+        "start",
+        "receive",
+        "receive",
+        "finish",
+        "start",
+        "finish",
+    ]
     assert torch.equal(s.engine.model.b, torch.full((2, 2), 3.0))
 
 
 def test_start_twice_is_refused() -> None:
     s = _session()
     s.start_weight_update()
-    with pytest.raises(RuntimeError, match="start_weight_update called while a weight update is active"):
+    with pytest.raises(
+        RuntimeError, match="start_weight_update called while a weight update is active"
+    ):
         s.start_weight_update()
     assert s.active and _engine(s).calls == ["start"]
 
 
 def test_update_and_finish_need_an_open_round() -> None:
     s = _session()
-    with pytest.raises(RuntimeError, match="start_weight_update must be called before update_weights"):
+    with pytest.raises(
+        RuntimeError, match="start_weight_update must be called before update_weights"
+    ):
         s.update_weights({"names": ["a"], "values": [1.0]})
     with pytest.raises(RuntimeError, match="without a matching start_weight_update"):
         s.finish_weight_update()
@@ -98,7 +111,9 @@ def test_failed_finish_aborts_and_closes_the_round() -> None:
 def test_shutdown_during_a_round_is_refused() -> None:
     s = _session()
     s.start_weight_update()
-    with pytest.raises(RuntimeError, match="cannot shut the weight transfer engine down during an update"):
+    with pytest.raises(
+        RuntimeError, match="cannot shut the weight transfer engine down during an update"
+    ):
         s.shutdown_weight_transfer_engine()
     s.finish_weight_update()
     s.shutdown_weight_transfer_engine()

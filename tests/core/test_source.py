@@ -146,8 +146,14 @@ def _divergent(kind: str) -> list[tuple[str, torch.Tensor | None]]:
 @pytest.mark.parametrize(
     ("kind", "expected"),
     [
-        ("reordered", [r"parameter #1", r"'model\.layers\.0\.b' \(bfloat16", r"'model\.layers\.0\.a'"]),
-        ("re-dtyped", [r"'model\.layers\.0\.b' \(float16, shape \[3\]\)", r"bfloat16, shape \[3\]"]),
+        (
+            "reordered",
+            [r"parameter #1", r"'model\.layers\.0\.b' \(bfloat16", r"'model\.layers\.0\.a'"],
+        ),
+        (
+            "re-dtyped",
+            [r"'model\.layers\.0\.b' \(float16, shape \[3\]\)", r"bfloat16, shape \[3\]"],
+        ),
         ("reshaped", [r"'model\.layers\.0\.b' \(bfloat16, shape \[1, 3\]\)", r"shape \[3\]"]),
         ("missing", [r"stopped after 6 parameters", r"declares 7", r"'lm_head\.weight'"]),
         ("extra", [r"'rogue\.weight' after all 7"]),

@@ -101,23 +101,37 @@ def test_trainer_side_failure_keeps_previous_weights(
 def test_failed_finish_keeps_previous_weights(
     served: ServedEngines, references: References
 ) -> None:
-    """`finish_weight_update` failing inside the engine rolls the round back too."""
+    """`finish_weight_update` failing inside the engine rolls the whole round back.
+
+    Layer 1's v_proj is withheld, so its fused qkv layer is only processed at
+    finish, after every other layer already took the new weights; that
+    processing is made to fail.
+    """
     engine = served("example_file")
     before = generate(engine.llm)
     worker = engine.llm.llm_engine.model_executor.driver_worker.worker
-    wt_engine = worker.weight_transfer_engine
     target = 3 if engine.seed == 2 else 2
-    worker.start_weight_update()
-    loader = wt_engine.loader
-    assert loader is not None
-    pairs = [(n, p.detach().clone()) for n, p in hf_model(target).named_parameters()]
-    loader.load(pairs)
+    qkv = worker.get_model().model.layers[1].self_attn.qkv_proj
+    method = qkv.quant_method
 
-    broken = type(loader.model_config)  # commit with a config finalize cannot use
-    loader.model_config = object.__new__(broken)
-    with pytest.raises(AttributeError):
-        worker.finish_weight_update()
-    worker.finish_weight_update()  # the worker retries; the round is already closed
+    def fail(layer: Any) -> None:
+        raise RuntimeError("processing qkv_proj failed (injected)")
+
+    worker.start_weight_update()
+    loader = worker.weight_transfer_engine.loader
+    pairs = [
+        (n, p.detach().clone())
+        for n, p in hf_model(target).named_parameters()
+        if n != "model.layers.1.self_attn.v_proj.weight"
+    ]
+    loader.load(pairs)
+    method.process_weights_after_loading = fail
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            worker.finish_weight_update()
+    finally:
+        del method.process_weights_after_loading
+    worker.finish_weight_update()  # what a caller retries; the round is already closed
     assert not worker._weight_update_active
     assert generate(engine.llm) == before
     engine.sync(target)

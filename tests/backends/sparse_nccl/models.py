@@ -14,11 +14,11 @@ class PatchableModel(torch.nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(SEED)
         self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 12), torch.nn.Linear(12, 8)])
-        self.half = torch.nn.Module()
-        self.half.register_parameter(
+        self.mixed = torch.nn.Module()
+        self.mixed.register_parameter(
             "bf16_weight", torch.nn.Parameter(torch.randn(8, 10, generator=g).to(torch.bfloat16))
         )
-        self.half.register_parameter(
+        self.mixed.register_parameter(
             "fp16_weight", torch.nn.Parameter(torch.randn(6, 7, generator=g).to(torch.float16))
         )
         with torch.no_grad():
@@ -47,7 +47,9 @@ class MethodModel(torch.nn.Module):
         self.register_buffer("store", torch.arange(12, dtype=torch.float32))
         self.calls = 0
 
-    def check_sparse_patch(self, name: str, full_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def check_sparse_patch(
+        self, name: str, full_shape: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
         if name != "w" or full_shape != (12,) or dtype != torch.float32:
             raise ValueError(f"cannot patch {name!r} {full_shape} {dtype}")
 

@@ -32,7 +32,7 @@ from wt_sparse_nccl import (
 )
 
 W0, B0, W1, B1 = "layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"
-BF16, FP16 = "half.bf16_weight", "half.fp16_weight"
+BF16, FP16 = "mixed.bf16_weight", "mixed.fp16_weight"
 TIMEOUT_S = 30.0
 
 
@@ -85,7 +85,9 @@ class Recorder:
         self.events: list[tuple[str, dict[str, Any]]] = []
 
     @hookimpl
-    def wt_sync_started(self, backend: str, sync_id: int, num_params: int, total_bytes: int) -> None:
+    def wt_sync_started(
+        self, backend: str, sync_id: int, num_params: int, total_bytes: int
+    ) -> None:
         self.events.append(("started", {"backend": backend, "sync_id": sync_id}))
 
     @hookimpl
@@ -97,7 +99,10 @@ class Recorder:
         self, backend: str, num_params: int, total_bytes: int, weight_version: str | None
     ) -> None:
         self.events.append(
-            ("finished", {"num_params": num_params, "total_bytes": total_bytes, "v": weight_version})
+            (
+                "finished",
+                {"num_params": num_params, "total_bytes": total_bytes, "v": weight_version},
+            )
         )
 
     @hookimpl
@@ -171,9 +176,7 @@ def test_three_rounds_land_bit_exactly_and_only_nnz_bytes_travel(
     assert finished[-1] == {"num_params": 6, "total_bytes": wire_bytes(patches), "v": "v2"}
 
 
-def test_three_chunks_inside_one_round(
-    rig: Rig, gen: torch.Generator, recorder: Recorder
-) -> None:
+def test_three_chunks_inside_one_round(rig: Rig, gen: torch.Generator, recorder: Recorder) -> None:
     state = rig.state()
     chunks = [
         [random_patch(W1, state, 10, gen), random_patch(BF16, state, 4, gen)],
@@ -191,7 +194,13 @@ def test_three_chunks_inside_one_round(
     assert rig.client.methods() == ["start_weight_update"] + ["update_weights"] * 3 + [
         "finish_weight_update"
     ]
-    assert [kind for kind, _ in recorder.events] == ["started", "chunk", "chunk", "chunk", "finished"]
+    assert [kind for kind, _ in recorder.events] == [
+        "started",
+        "chunk",
+        "chunk",
+        "chunk",
+        "finished",
+    ]
     total = sum(wire_bytes(c) for c in chunks)
     assert recorder.events[-1][1] == {"num_params": 5, "total_bytes": total, "v": "chunked"}
 
@@ -321,7 +330,7 @@ def test_batches_the_workers_refuse_apply_nothing_and_the_next_sync_works(
         ),
     }
     for case, (bad, message) in refused.items():
-        with pytest.raises(WeightSyncRPCError, match=rf"patch 1 \('{bad.name}'\): {message}"):
+        with pytest.raises(WeightSyncRPCError, match=rf"patch 1 \('{bad.name}'\): .*{message}"):
             rig.engine.send_weights([good, bad])
         rig.assert_state(state)
         assert rig.engine.group is not None, case
@@ -339,14 +348,14 @@ def test_batches_the_workers_refuse_apply_nothing_and_the_next_sync_works(
     }
     for bad, message in skipped.values():
         rig.client.start_weight_update()
-        with pytest.raises(WeightSyncRPCError, match=rf"patch 1 \('{B1}'\): {message}"):
+        with pytest.raises(WeightSyncRPCError, match=rf"patch 1 \('{B1}'\): .*{message}"):
             rig.engine._broadcast([good, bad])
         rig.assert_state(state)
 
     # A chunk refused mid-round rolls the earlier chunks of that round back, too.
     rig.engine.begin()
     rig.engine.send_weight_chunk([good])
-    assert_same_bits(rig.state()[W1], applied(state, [good])[W1])  # written in place
+    assert_same_bits({W1: rig.state()[W1]}, {W1: applied(state, [good])[W1]})  # in place
     with pytest.raises(WeightSyncRPCError, match="no parameter named"):
         rig.engine.send_weight_chunk([good, refused["unknown name"][0]])
     rig.assert_state(state)
@@ -384,9 +393,10 @@ def test_a_worker_out_of_step_refuses_until_trainer_init_runs_again(
             engine.send_weights([patch])
         assert time.monotonic() - t0 < TIMEOUT_S / 2  # the worker's error, not a timeout
         assert_same_bits(pool.each("state_dict")[0], state)
-        engine.shutdown()
+        # The broadcasts failed as well, so the trainer dropped its end too.
+        assert engine.group is None
         client.calls.clear()
-        with pytest.raises(RuntimeError, match="no transfer group .*shut down"):
+        with pytest.raises(RuntimeError, match=r"no transfer group .*torn down"):
             engine.send_weights([patch])
         assert client.calls == []
 
@@ -394,3 +404,7 @@ def test_a_worker_out_of_step_refuses_until_trainer_init_runs_again(
         engine.send_weights([patch])
         assert_same_bits(pool.each("state_dict")[0], applied(state, [patch]))
         engine.shutdown()
+        client.calls.clear()
+        with pytest.raises(RuntimeError, match=r"no transfer group .*shut down"):
+            engine.send_weights([patch])
+        assert client.calls == []

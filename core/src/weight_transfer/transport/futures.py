@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
 from typing import Any, TypeVar
 
@@ -26,7 +26,14 @@ __all__ = [
     "work_future",
     "TransferTimeout",
     "CollectiveError",
+    "PEER_GRACE_S",
+    "all_settle",
 ]
+
+# How long an in-flight collective may still take after a peer has answered: a
+# worker that drained the round and then failed answers at about the moment the
+# trainer's last broadcast completes, and either event can be seen first.
+PEER_GRACE_S = 2.0
 
 T = TypeVar("T")
 
@@ -117,3 +124,18 @@ def await_transfer(
                 if error is not None:
                     raise error
                 del watching[name]
+
+
+def all_settle(futures: Iterable[Future[Any]], within_s: float = PEER_GRACE_S) -> bool:
+    """Whether every future completes successfully within `within_s` in total.
+
+    After a failure, a group whose in-flight collectives all complete is still
+    aligned and can carry the next round.
+    """
+    deadline = time.monotonic() + within_s
+    for fut in futures:
+        try:
+            fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            return False
+    return True

@@ -119,6 +119,9 @@ def plan_buckets(
             close()
         for i in members:
             size = metas[i].nbytes
+            if size == 0:  # an empty range fits in any bucket and never closes one
+                pieces.append(Piece(i, 0, 0, 0))
+                continue
             if pieces and _align(used) + size > buffer_bytes and size <= buffer_bytes:
                 close()
             start = 0

@@ -4,7 +4,13 @@
 - `load(batch)`: `model.load_weights(batch)` (HF names, checkpoint format) with
   the vLLM config current, the MTP completeness check off (a round arrives in
   several batches) and, on CUDA, the model's device current, so it also works
-  from a transport's background thread.
+  from a transport's background thread. When it returns, the model holds no
+  view into a batch tensor's buffer: layerwise reload keeps a layer's tensors
+  until the layer is complete, and some layers (vocabulary-padded embeddings
+  and heads) complete only at finalize, so views held by layers still pending
+  are replaced by copies. A transport may therefore reuse its receive buffers
+  as soon as `load` returns. (A tensor that owns its whole storage is taken
+  over as is: the transport must not reuse it.)
 - `commit()`: `finalize_layerwise_reload(model, model_config)`; if that raises,
   the round is aborted before the error propagates.
 - `abort()`: restores the snapshot; the model serves exactly the weights it
@@ -61,6 +67,7 @@ class VLLMLoader:
         self.snapshot: ModelSnapshot | None = None
         self._lock = threading.Lock()
         self._device: torch.device | None = None
+        self._modules: list[torch.nn.Module] = []
 
     @property
     def active(self) -> bool:
@@ -73,6 +80,7 @@ class VLLMLoader:
             if self.snapshot is not None:
                 raise RuntimeError("VLLMLoader.begin: a round is already open")
             self._device = _model_device(self.model)
+            self._modules = list(self.model.modules())
             snapshot = ModelSnapshot.take(self.model)
             try:
                 initialize_layerwise_reload(self.model)
@@ -118,6 +126,7 @@ class VLLMLoader:
             try:
                 with self._load_context():
                     self.model.load_weights(tracked())  # type: ignore[operator]
+                    self._detach_pending(weights)
             except Exception as e:
                 if not current:
                     raise
@@ -127,6 +136,30 @@ class VLLMLoader:
                     f"{type(self.model).__name__} could not load {name!r} ({dtype}, shape "
                     f"{list(tensor.shape)}): {type(e).__name__}: {e}"
                 ) from e
+
+    def _detach_pending(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Replace views into `weights`' buffers held by pending layers with copies."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        storages = {
+            t.untyped_storage().data_ptr()
+            for _, t in weights
+            if t.untyped_storage().nbytes() > t.numel() * t.element_size()
+        }
+        if not storages:
+            return
+        for module in self._modules:
+            info = LAYERWISE_INFO.get(module)
+            if info is None or not info.loaded_weights:
+                continue
+            for _, bound in info.loaded_weights:
+                for key, value in bound.arguments.items():
+                    if (
+                        isinstance(value, torch.Tensor)
+                        and key != "param"
+                        and value.untyped_storage().data_ptr() in storages
+                    ):
+                        bound.arguments[key] = value.clone()
 
     def commit(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -32,7 +32,12 @@ from weight_transfer.hooks import SyncTracker, track_sync
 from weight_transfer.payload import payload_of
 from weight_transfer.source import ParamMeta, checked_iteration
 from weight_transfer.transport.dtypes import dtype_name
-from weight_transfer.transport.futures import await_transfer, in_background, work_future
+from weight_transfer.transport.futures import (
+    all_settle,
+    await_transfer,
+    in_background,
+    work_future,
+)
 from weight_transfer.transport.group import StatelessGroup
 from weight_transfer.transport.packing import BucketPlan, RotatingBuffers, as_bytes
 from weight_transfer.transport.rendezvous import trainer_rendezvous
@@ -195,7 +200,7 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
             )
             try:
                 self._stream(plan, checked_iteration(metas, self.source), rpc, tracker)
-            except _SourceFailed as failed:
+            except _AlignedFailure as failed:
                 _wait_quietly(rpc, self.info.timeout_s)  # the workers roll back, then answer
                 raise failed.error from None
             except BaseException:
@@ -213,9 +218,12 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
         rpc: Future[None],
         tracker: SyncTracker,
     ) -> None:
-        """Broadcast every bucket; on a source error, tell the workers and raise `_SourceFailed`.
+        """Broadcast every bucket.
 
-        Any other error leaves collectives misaligned; the caller tears the group down.
+        Raises `_AlignedFailure` when the round failed but every collective
+        matched (a source error, after an abort notice went out; or a worker
+        that drained the round and then failed). Any other error may leave
+        collectives misaligned; the caller tears the group down.
         """
         group = self.group
         assert group is not None
@@ -226,8 +234,14 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
         timeout = self.info.timeout_s
 
         def settle(slot: int, what: str) -> None:
-            for fut in in_flight[slot]:
-                await_transfer(fut, watch=watch, timeout_s=timeout, what=what)
+            try:
+                for fut in in_flight[slot]:
+                    await_transfer(fut, watch=watch, timeout_s=timeout, what=what)
+            except Exception as error:
+                reported = rpc.done() and rpc.exception() is error
+                if reported and all_settle(f for futs in in_flight for f in futs):
+                    raise _AlignedFailure(error) from error
+                raise
             in_flight[slot].clear()
             keep_alive[slot].clear()
 
@@ -258,7 +272,7 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
                     group.broadcast(header(k, HEADER_ABORT, self.device)), "the abort notice"
                 )
                 await_transfer(notice, watch={}, timeout_s=timeout, what="the abort notice")
-                raise _SourceFailed(error) from error
+                raise _AlignedFailure(error) from error
             head = header(k, HEADER_OK, self.device)
             what = f"the broadcast of bucket {k}"
             in_flight[slot] = [
@@ -286,8 +300,8 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
         self._buffers.release()
 
 
-class _SourceFailed(Exception):
-    """The source failed while a bucket was produced; the workers got an abort notice."""
+class _AlignedFailure(Exception):
+    """The round failed, but every collective matched: the group can carry the next round."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))

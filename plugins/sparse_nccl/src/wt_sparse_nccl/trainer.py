@@ -48,6 +48,8 @@ BACKEND = "sparse_nccl"
 # How long a failed batch's last broadcast may take to drain before the group is
 # declared out of step.
 _DRAIN_S = 5.0
+# How long a failed broadcast waits for the workers' update_weights to explain it.
+_EXPLAIN_S = 2.0
 
 
 @dataclass
@@ -261,8 +263,11 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
         """Send checked `patches` as one batch; returns the bytes sent.
 
         `update_weights` runs on a side thread while the groups are broadcast;
-        either failing raises at once. The group is kept only when every
-        broadcast completed, so both sides stay in step.
+        either failing raises at once. A failed broadcast gives the workers'
+        call a moment (`_EXPLAIN_S`) to report why (a worker that refused
+        drops its end of the group), and that error is raised instead. The
+        group is kept only when every broadcast completed, so both sides stay
+        in step.
         """
         group = self._require_group()
         timeout_s = self.info.timeout_s
@@ -276,20 +281,22 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
         started = 0
         try:
             for i, buffer in enumerate(buffers):
-                pending = work_future(group.broadcast(buffer))
+                what = f"broadcast {i + 1}/{len(buffers)} of a sparse batch"
+                pending = work_future(group.broadcast(buffer), what)
                 started += 1
-                await_transfer(
-                    pending,
-                    watch=watch,
-                    timeout_s=timeout_s,
-                    what=f"broadcast {i + 1}/{len(buffers)} of a sparse batch",
-                )
+                await_transfer(pending, watch=watch, timeout_s=timeout_s, what=what)
                 pending = None
             await_transfer(rpc, watch={}, timeout_s=timeout_s, what="the workers' update_weights")
         except BaseException as e:
+            if not isinstance(e, Exception):  # interrupted: do not wait on anything
+                self._tear_down(f"an interrupted batch ({type(e).__name__})")
+                raise
+            error = e if _failed_with(rpc, 0.0) is e else _failed_with(rpc, _EXPLAIN_S) or e
             if started < len(buffers) or (pending is not None and not _drains(pending)):
-                self._tear_down(f"a failed batch ({type(e).__name__}: {e})")
-            raise
+                self._tear_down(f"a failed batch ({type(error).__name__}: {error})")
+            if error is e:
+                raise
+            raise error from e
         return sum(b.numel() for b in buffers)
 
 
@@ -300,3 +307,11 @@ def _drains(pending: Future[Any]) -> bool:
     except BaseException:
         return False
     return True
+
+
+def _failed_with(future: Future[Any], timeout_s: float) -> BaseException | None:
+    """`future`'s error if it fails within `timeout_s`, else None (never waits longer)."""
+    try:
+        return future.exception(timeout=timeout_s)
+    except BaseException:  # still running, or cancelled
+        return None

@@ -1,0 +1,1 @@
+"""wt backend `ipc` (skeleton: no engines yet)."""

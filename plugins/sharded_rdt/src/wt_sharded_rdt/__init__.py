@@ -1,0 +1,1 @@
+"""wt backend `sharded_rdt` (skeleton: no engines yet)."""
