@@ -27,6 +27,7 @@ MYPY = "mypy==2.4.1"
 
 CORE = "./core"
 PLUGINS = ["./plugins/nccl", "./plugins/sparse_nccl"]
+SKELETONS = ["./plugins/ipc", "./plugins/sharded_rdt"]  # packaging only, no engines yet
 EXAMPLE = "./examples/wt-example"
 DISTRIBUTIONS = [CORE, *PLUGINS, EXAMPLE]
 SOURCES = [
@@ -85,7 +86,7 @@ def wheels(session: nox.Session) -> None:
     """
     dist = Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    for d in DISTRIBUTIONS:
+    for d in [*DISTRIBUTIONS, *SKELETONS]:
         session.run("pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(dist), d)
     session.log("built: " + ", ".join(sorted(p.name for p in dist.glob("*.whl"))))
     check = ROOT / "tests" / "wheel_check.py"

@@ -1,10 +1,11 @@
 """Rendezvous of trainer rank 0 and the workers in a private group.
 
-Trainer: `trainer_rendezvous(client, payload, ...)` runs the workers'
-`init_weight_transfer_engine(payload)` on a side thread while it hosts the
-rendezvous, and raises the first failure of either at once (a worker that
-rejects the payload does not leave the trainer waiting for the store
-timeout).
+Trainer: a backend's `TrainerInitInfo` mixes in `GroupTrainerFields`
+(address, port, world size, timeout, device); `trainer_rendezvous(client,
+payload, info)` runs the workers' `init_weight_transfer_engine(payload)` on a
+side thread while it hosts the rendezvous, and raises the first failure of
+either at once (a worker that rejects the payload does not leave the trainer
+waiting for the store timeout).
 
 Worker: `join_group(info, position, device)` joins as rank
 `rank_offset + position.global_index`.
@@ -22,10 +23,44 @@ from weight_transfer.position import WorkerPosition
 from weight_transfer.transport.futures import in_background, wait_for
 from weight_transfer.transport.group import StatelessGroup
 
-__all__ = ["GroupInitInfo", "trainer_rendezvous", "join_group"]
+__all__ = ["GroupTrainerFields", "GroupInitInfo", "trainer_rendezvous", "join_group"]
 
 # Time the init RPC may take beyond the rendezvous timeout (engine-side work).
 _RPC_GRACE_S = 30.0
+
+
+@dataclass
+class GroupTrainerFields:
+    """Trainer-side fields of a group backend, mixed into its `TrainerInitInfo`.
+
+    `world_size` is 1 + the number of inference workers (every TP/PP rank of
+    every replica). `device` is where the source's tensors live: `"cpu"`
+    travels over gloo, `"cuda"` over NCCL; by default the current CUDA device
+    when there is one. `timeout_s` bounds the rendezvous and every wait.
+    """
+
+    master_address: str
+    master_port: int
+    world_size: int
+    timeout_s: float = field(default=300.0, kw_only=True)
+    device: str | None = field(default=None, kw_only=True)
+
+    def resolved_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def worker_group_fields(self) -> dict[str, Any]:
+        """The matching `GroupInitInfo` fields for the workers (rank offset 1)."""
+        return {
+            "master_address": self.master_address,
+            "master_port": self.master_port,
+            "world_size": self.world_size,
+            "rank_offset": 1,
+            "timeout_s": self.timeout_s,
+        }
 
 
 @dataclass
@@ -55,31 +90,27 @@ class GroupInitInfo(WeightTransferInitInfo):
 def trainer_rendezvous(
     client: VLLMWeightSyncClient,
     payload: dict[str, Any],
+    info: GroupTrainerFields,
     *,
-    host: str,
-    port: int,
-    world_size: int,
-    device: torch.device | str,
-    timeout_s: float,
     group_name: str = "wt",
 ) -> StatelessGroup:
     """Host rank 0 of the group while the workers join through `client`; see module doc."""
     rpc = in_background(lambda: client.init_weight_transfer_engine(payload), name="wt-init-rpc")
     join = in_background(
         lambda: StatelessGroup.create(
-            host=host,
-            port=port,
+            host=info.master_address,
+            port=info.master_port,
             rank=0,
-            world_size=world_size,
-            device=device,
-            timeout_s=timeout_s,
+            world_size=info.world_size,
+            device=info.resolved_device(),
+            timeout_s=info.timeout_s,
             name=group_name,
         ),
         name="wt-rendezvous",
     )
     results = wait_for(
         {"the workers' init_weight_transfer_engine": rpc, "the rendezvous": join},
-        timeout_s + _RPC_GRACE_S,
+        info.timeout_s + _RPC_GRACE_S,
     )
     group: StatelessGroup = results["the rendezvous"]
     return group

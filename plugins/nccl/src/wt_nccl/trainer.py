@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -40,7 +40,7 @@ from weight_transfer.transport.futures import (
 )
 from weight_transfer.transport.group import StatelessGroup
 from weight_transfer.transport.packing import BucketPlan, RotatingBuffers, as_bytes
-from weight_transfer.transport.rendezvous import trainer_rendezvous
+from weight_transfer.transport.rendezvous import GroupTrainerFields, trainer_rendezvous
 from wt_nccl.protocol import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_MIN_BUCKET_BYTES,
@@ -56,26 +56,17 @@ __all__ = ["NCCLTrainerInitInfo", "NCCLTrainerEngine"]
 
 
 @dataclass
-class NCCLTrainerInitInfo(TrainerInitInfo):
-    """How a trainer configures the `nccl` backend.
-
-    `world_size` is 1 + the number of inference workers (all TP/PP ranks of all
-    replicas). `device` is where the source's tensors live: `"cpu"` streams
-    over gloo, `"cuda"` over NCCL; by default CUDA when available.
-    `timeout_s` bounds the rendezvous and every wait of a round.
-    """
+class NCCLTrainerInitInfo(TrainerInitInfo, GroupTrainerFields):
+    """How a trainer configures the `nccl` backend: the group (see
+    `GroupTrainerFields`) and the wire parameters, which the sender ships to
+    every worker in `trainer_init`."""
 
     backend: ClassVar[str] = "nccl"
 
-    master_address: str
-    master_port: int
-    world_size: int
     packed: bool = True
     packed_buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
     packed_num_buffers: int = 2
     packed_min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES
-    timeout_s: float = 300.0
-    device: str | None = field(default=None)
 
     @property
     def wire(self) -> WireParams:
@@ -85,11 +76,6 @@ class NCCLTrainerInitInfo(TrainerInitInfo):
             self.packed_num_buffers,
             self.packed_min_bucket_bytes,
         )
-
-    def resolved_device(self) -> torch.device:
-        if self.device is not None:
-            return torch.device(self.device)
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
@@ -131,11 +117,7 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
             device = init_info.resolved_device()
             payload = payload_of(
                 NCCLWorkerInitInfo(
-                    master_address=init_info.master_address,
-                    master_port=init_info.master_port,
-                    world_size=init_info.world_size,
-                    rank_offset=1,
-                    timeout_s=init_info.timeout_s,
+                    **init_info.worker_group_fields(),
                     transport="nccl" if device.type == "cuda" else "gloo",
                     packed=init_info.packed,
                     packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
@@ -143,15 +125,7 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
                     packed_min_bucket_bytes=init_info.packed_min_bucket_bytes,
                 )
             )
-            group = trainer_rendezvous(
-                client,
-                payload,
-                host=init_info.master_address,
-                port=init_info.master_port,
-                world_size=init_info.world_size,
-                device=device,
-                timeout_s=init_info.timeout_s,
-            )
+            group = trainer_rendezvous(client, payload, init_info)
         return cls(
             client=client,
             source=source,

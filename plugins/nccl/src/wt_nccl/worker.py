@@ -63,7 +63,8 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
             self.group.abort()
             self.group = None
         self.wire = init_info.wire
-        self._buffers = RotatingBuffers(self.wire.packed_num_buffers, self.device)
+        if self._buffers is None or len(self._buffers) != self.wire.packed_num_buffers:
+            self._buffers = RotatingBuffers(self.wire.packed_num_buffers, self.device)
         self.group = join_group(init_info, self.position, self.device)
 
     def start_weight_update(self) -> None:

@@ -23,10 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
-
-import torch
 
 from weight_transfer.base import (
     TrainerInitInfo,
@@ -38,7 +36,7 @@ from weight_transfer.hooks import SyncTracker, track_sync
 from weight_transfer.payload import payload_of
 from weight_transfer.transport.futures import await_transfer, in_background, work_future
 from weight_transfer.transport.group import StatelessGroup
-from weight_transfer.transport.rendezvous import trainer_rendezvous
+from weight_transfer.transport.rendezvous import GroupTrainerFields, trainer_rendezvous
 from wt_sparse_nccl.patch import SparseWeightPatch, check_patches
 from wt_sparse_nccl.wire import SparseNCCLInitInfo, pack_group, update_info_of, wire_groups
 
@@ -53,28 +51,11 @@ _EXPLAIN_S = 2.0
 
 
 @dataclass
-class SparseNCCLTrainerInitInfo(TrainerInitInfo):
-    """Where rank 0 hosts the group, its size (1 + workers) and its wait bound.
-
-    `device`: where rank 0's tensors travel from ("cuda" uses NCCL, "cpu"
-    gloo); by default the current CUDA device when there is one, else "cpu".
-    It must match the workers' device type.
-    """
+class SparseNCCLTrainerInitInfo(TrainerInitInfo, GroupTrainerFields):
+    """Where rank 0 hosts the group, its size (1 + workers), its wait bound and
+    device (see `GroupTrainerFields`); the device type must match the workers'."""
 
     backend: ClassVar[str] = BACKEND
-
-    master_address: str
-    master_port: int
-    world_size: int
-    timeout_s: float = field(default=300.0, kw_only=True)
-    device: str | None = field(default=None, kw_only=True)
-
-    def resolved_device(self) -> torch.device:
-        if self.device is not None:
-            return torch.device(self.device)
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
 
 @dataclass
@@ -128,21 +109,8 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
             )
         group = None
         if init_info.is_sender:
-            worker_info = SparseNCCLInitInfo(
-                master_address=init_info.master_address,
-                master_port=init_info.master_port,
-                world_size=init_info.world_size,
-                timeout_s=init_info.timeout_s,
-            )
-            group = trainer_rendezvous(
-                client,
-                payload_of(worker_info),
-                host=init_info.master_address,
-                port=init_info.master_port,
-                world_size=init_info.world_size,
-                device=init_info.resolved_device(),
-                timeout_s=init_info.timeout_s,
-            )
+            worker_info = SparseNCCLInitInfo(**init_info.worker_group_fields())
+            group = trainer_rendezvous(client, payload_of(worker_info), init_info)
         return cls(client=client, is_sender=init_info.is_sender, info=init_info, group=group)
 
     # -- rounds ----------------------------------------------------------
