@@ -34,7 +34,13 @@ from weight_transfer.base import (
 )
 from weight_transfer.hooks import SyncTracker, track_sync
 from weight_transfer.payload import payload_of
-from weight_transfer.transport.futures import await_transfer, in_background, work_future
+from weight_transfer.transport.futures import (
+    PEER_GRACE_S,
+    all_settle,
+    await_transfer,
+    in_background,
+    work_future,
+)
 from weight_transfer.transport.group import StatelessGroup
 from weight_transfer.transport.rendezvous import GroupTrainerFields, trainer_rendezvous
 from wt_sparse_nccl.patch import SparseWeightPatch, check_patches
@@ -43,11 +49,6 @@ from wt_sparse_nccl.wire import SparseNCCLInitInfo, pack_group, update_info_of, 
 __all__ = ["SparseNCCLTrainerInitInfo", "SparseNCCLTrainerEngine"]
 
 BACKEND = "sparse_nccl"
-# How long a failed batch's last broadcast may take to drain before the group is
-# declared out of step.
-_DRAIN_S = 5.0
-# How long a failed broadcast waits for the workers' update_weights to explain it.
-_EXPLAIN_S = 2.0
 
 
 @dataclass
@@ -232,7 +233,7 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
 
         `update_weights` runs on a side thread while the groups are broadcast;
         either failing raises at once. A failed broadcast gives the workers'
-        call a moment (`_EXPLAIN_S`) to report why (a worker that refused
+        call a moment (`PEER_GRACE_S`) to report why (a worker that refused
         drops its end of the group), and that error is raised instead. The
         group is kept only when every broadcast completed, so both sides stay
         in step.
@@ -259,22 +260,13 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
             if not isinstance(e, Exception):  # interrupted: do not wait on anything
                 self._tear_down(f"an interrupted batch ({type(e).__name__})")
                 raise
-            error = e if _failed_with(rpc, 0.0) is e else _failed_with(rpc, _EXPLAIN_S) or e
-            if started < len(buffers) or (pending is not None and not _drains(pending)):
+            error = e if _failed_with(rpc, 0.0) is e else _failed_with(rpc, PEER_GRACE_S) or e
+            if started < len(buffers) or (pending is not None and not all_settle([pending])):
                 self._tear_down(f"a failed batch ({type(error).__name__}: {error})")
             if error is e:
                 raise
             raise error from e
         return sum(b.numel() for b in buffers)
-
-
-def _drains(pending: Future[Any]) -> bool:
-    """Whether an in-flight broadcast completes within `_DRAIN_S`."""
-    try:
-        pending.result(timeout=_DRAIN_S)
-    except BaseException:
-        return False
-    return True
 
 
 def _failed_with(future: Future[Any], timeout_s: float) -> BaseException | None:
