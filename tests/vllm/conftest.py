@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from weight_transfer import ModuleSource, ParamMeta, WeightSource  # noqa: E402
+from weight_transfer import ModuleSource, ParamMeta, WeightSource
 
 PROMPTS = ["w1 w2 w3", "w10 w20 w30 w40 w50", "w7"]
 MAX_TOKENS = 8
@@ -45,6 +45,9 @@ LLM_KWARGS: dict[str, Any] = {
     "distributed_executor_backend": "uni",
     "enable_prefix_caching": False,
 }
+
+# Engines that must outlive every test (see the module docstring).
+KEEP_ALIVE: list[Any] = []
 
 # Outputs of one generate call: per prompt, (token ids, per position the top
 # LOGPROBS (token id, logprob) pairs plus the sampled token's).
@@ -69,7 +72,9 @@ def require_backend(backend: str) -> None:
 def sampling_params() -> Any:
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=LOGPROBS, ignore_eos=True)
+    return SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, logprobs=LOGPROBS, ignore_eos=True
+    )
 
 
 def generate(llm: Any) -> Outputs:
@@ -140,6 +145,7 @@ class References:
             from vllm import LLM
 
             self.engines[seed] = LLM(model=self.dirs[seed], **LLM_KWARGS)
+            KEEP_ALIVE.append(self.engines[seed])
             self._outputs[seed] = generate(self.engines[seed])
         return self._outputs[seed]
 
@@ -293,6 +299,7 @@ class ServedEngines:
                 weight_transfer_config=WeightTransferConfig(backend=f"wt_{backend}"),
                 **LLM_KWARGS,
             )
+            KEEP_ALIVE.append(llm)
             client = VersionedClient(LocalVLLMWeightSyncClient(llm))
             source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
             scratch = os.path.join(self.scratch, backend)

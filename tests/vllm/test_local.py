@@ -138,9 +138,7 @@ def test_failed_finish_keeps_previous_weights(
     assert generate(engine.llm) == references.outputs(target)
 
 
-def test_loader_snapshot_is_small_on_cpu(
-    served: ServedEngines, references: References
-) -> None:
+def test_loader_snapshot_is_small_on_cpu(served: ServedEngines, references: References) -> None:
     """On CPU the undo copy holds the materialized tensors only (no packed Linear weights)."""
     engine = served("example_file")
     from weight_transfer.vllm.loader import VLLMLoader
@@ -166,3 +164,20 @@ def test_module_source_matches_checkpoint(tiny_dirs: Any) -> None:
     saved = load_file(os.path.join(tiny_dirs[2], "model.safetensors"))
     for name, tensor in ModuleSource(hf_model(2)):
         assert torch.equal(saved[name], tensor), name
+
+
+def test_rollback_without_data_copy_keeps_engine_serving(
+    served: ServedEngines, references: References, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`WT_VLLM_SNAPSHOT=none`: no undo copy; a failed round leaves a serving model."""
+    from weight_transfer.vllm.loader import SNAPSHOT_ENV
+
+    engine = served("nccl")
+    monkeypatch.setenv(SNAPSHOT_ENV, "none")
+    target = 3 if engine.seed == 2 else 2
+    source, _ = _bad_sources(target)["wrong-shape"]
+    with pytest.raises(WeightSyncRPCError, match="down_proj"):
+        engine.send(source)
+    assert len(generate(engine.llm)) == len(references.outputs(target))  # still serving
+    engine.sync(target)
+    assert generate(engine.llm) == references.outputs(target)

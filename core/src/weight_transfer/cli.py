@@ -1,4 +1,8 @@
-"""`wt`: command-line entry point. `wt backends` lists installed backends."""
+"""`wt`: command-line entry point.
+
+`wt backends` lists installed backends; `wt demo [...]` trains a tiny Llama and
+syncs it into a live vLLM after every step (`wt demo --help`; needs vLLM).
+"""
 
 from __future__ import annotations
 
@@ -33,7 +37,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="wt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("backends", help="list installed backends and their distributions")
-    args = parser.parse_args(argv)
+    sub.add_parser(
+        "demo",
+        help="train a tiny Llama, sync it into vLLM after every step, verify",
+        add_help=False,
+    )
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        from weight_transfer.vllm.demo import main as demo_main
+
+        return demo_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "backends":
         return _backends()
     return 2

@@ -16,6 +16,13 @@
 - `abort()`: restores the snapshot; the model serves exactly the weights it
   served before `begin()`.
 
+The snapshot copies the tensors a reload overwrites in place (see
+`weight_transfer.vllm.snapshot`): on CPU only embeddings, norms and lm_head (a
+few MB), on CUDA the whole model, to pinned host memory by default. The
+environment variable `WT_VLLM_SNAPSHOT` (read by the worker) chooses where:
+`host` (default), `device`, or `none` (no copy: a failed round then keeps the
+new weights in the layers that completed before the failure).
+
 `commit()` and `abort()` after the round has ended are no-ops, so a worker
 that calls finish again after a failed finish clears its state. Calls are
 serialized: an `abort()` from the control thread waits for a `load()` running
@@ -29,15 +36,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from weight_transfer.vllm.snapshot import ModelSnapshot
+from weight_transfer.vllm.snapshot import COPY_MODES, ModelSnapshot
 
-__all__ = ["VLLMLoader", "WeightLoadError"]
+__all__ = ["VLLMLoader", "WeightLoadError", "SNAPSHOT_ENV"]
+
+SNAPSHOT_ENV = "WT_VLLM_SNAPSHOT"
 
 logger = logging.getLogger("weight_transfer.vllm")
 
@@ -60,7 +70,20 @@ class VLLMLoader:
     update); `None` means `vllm_config.model_config`.
     """
 
-    def __init__(self, model: torch.nn.Module, vllm_config: Any, model_config: Any = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        vllm_config: Any,
+        model_config: Any = None,
+        *,
+        snapshot_to: str | None = None,
+    ) -> None:
+        snapshot_to = snapshot_to or os.environ.get(SNAPSHOT_ENV) or "host"
+        if snapshot_to not in COPY_MODES:
+            raise ValueError(
+                f"{SNAPSHOT_ENV} must be one of {', '.join(COPY_MODES)}, got {snapshot_to!r}"
+            )
+        self.snapshot_to = snapshot_to
         self.model = model
         self.vllm_config = vllm_config
         self.model_config = model_config if model_config is not None else vllm_config.model_config
@@ -81,7 +104,7 @@ class VLLMLoader:
                 raise RuntimeError("VLLMLoader.begin: a round is already open")
             self._device = _model_device(self.model)
             self._modules = list(self.model.modules())
-            snapshot = ModelSnapshot.take(self.model)
+            snapshot = ModelSnapshot.take(self.model, self.snapshot_to)
             try:
                 initialize_layerwise_reload(self.model)
             except BaseException:
@@ -113,6 +136,7 @@ class VLLMLoader:
 
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load a batch; a refusal raises `WeightLoadError` naming the weight being loaded."""
+        weights = list(weights)
         current: list[tuple[str, torch.Tensor]] = []
 
         def tracked() -> Iterator[tuple[str, torch.Tensor]]:
@@ -187,3 +211,9 @@ class VLLMLoader:
                 snapshot.restore()
             finally:
                 snapshot.release()
+            if self.snapshot_to == "none":
+                logger.warning(
+                    "weight update aborted with %s=none: layers completed before the failure "
+                    "keep the new weights",
+                    SNAPSHOT_ENV,
+                )

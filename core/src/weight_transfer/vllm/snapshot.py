@@ -17,9 +17,15 @@ reload bookkeeping, so the model serves exactly what it served before `take`.
 Cost: one copy of the kernel tensors' bytes per round (on CPU only the tensors
 that stay materialized: embeddings, norms, lm_head; Linear weights live in the
 `cpu_linear` objects, which are kept alive by reference instead, so peak memory
-holds the old and new packed Linear weights until the round ends). On CUDA the
-copy goes to pinned host memory. Copy buffers are kept per model and reused in
-later rounds, so only the first round pays for allocation.
+holds the old and new packed Linear weights until the round ends). Copy
+buffers are kept per model and reused in later rounds, so only the first round
+pays for allocation. Where the copy lives (`copy_to`):
+
+- `"host"` (default): CUDA tensors are copied to pinned host memory;
+- `"device"`: next to each tensor (fast, but costs device memory);
+- `"none"`: no data copy. `restore()` still puts every module back together,
+  but layers that completed before the failure keep the new values: a failed
+  round leaves whole layers of the new weights.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelSnapshot"]
+__all__ = ["ModelSnapshot", "COPY_MODES"]
+
+COPY_MODES = ("host", "device", "none")
 
 _MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules"})
 
@@ -49,13 +57,21 @@ class _ModuleState:
     attributes: dict[str, Any]
 
 
-def _copy_buffer(store: dict[str, torch.Tensor], key: str, tensor: torch.Tensor) -> torch.Tensor:
+def _copy_buffer(
+    store: dict[str, torch.Tensor], key: str, tensor: torch.Tensor, copy_to: str
+) -> torch.Tensor:
+    """A reusable buffer shaped like `tensor`: pinned host memory for a CUDA
+    tensor with `copy_to == "host"`, else on the tensor's device."""
+    pinned = copy_to == "host" and tensor.device.type == "cuda"
+    device = torch.device("cpu") if pinned else tensor.device
     buf = store.get(key)
-    if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-        if tensor.device.type == "cuda":
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        else:
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    if (
+        buf is None
+        or buf.shape != tensor.shape
+        or buf.dtype != tensor.dtype
+        or buf.device != device
+    ):
+        buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=pinned)
         store[key] = buf
     return buf
 
@@ -84,8 +100,10 @@ class ModelSnapshot:
 
     @classmethod
     @torch.no_grad()
-    def take(cls, model: torch.nn.Module) -> ModelSnapshot:
+    def take(cls, model: torch.nn.Module, copy_to: str = "host") -> ModelSnapshot:
         """Record `model`; must run before `initialize_layerwise_reload(model)`."""
+        if copy_to not in COPY_MODES:
+            raise ValueError(f"copy_to must be one of {COPY_MODES}, got {copy_to!r}")
         t0 = time.perf_counter()
         store = _COPY_BUFFERS.setdefault(model, {})
         states: list[_ModuleState] = []
@@ -100,12 +118,14 @@ class ModelSnapshot:
             states.append(state)
             for kind, tensors in (("p", state.parameters), ("b", state.buffers)):
                 for name, tensor in tensors.items():
-                    if tensor is None or tensor.is_meta or tensor.numel() == 0:
+                    if copy_to == "none" or tensor is None or tensor.is_meta:
+                        continue
+                    if tensor.numel() == 0:
                         continue
                     if id(tensor) in seen:
                         continue
                     seen.add(id(tensor))
-                    buf = _copy_buffer(store, f"{path}|{kind}|{name}", tensor)
+                    buf = _copy_buffer(store, f"{path}|{kind}|{name}", tensor, copy_to)
                     buf.copy_(tensor.detach(), non_blocking=buf.is_pinned())
                     data.append((tensor, buf))
         _synchronize([t for t, _ in data])

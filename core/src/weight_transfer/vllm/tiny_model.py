@@ -66,7 +66,7 @@ def llama_config(spec: TinyLlamaSpec) -> Any:
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-        torch_dtype="float32",
+        dtype="float32",
     )
 
 
@@ -91,7 +91,7 @@ def _tokenizer(vocab_size: int) -> Any:
     for i in range(vocab_size - len(SPECIAL_TOKENS)):
         vocab[f"w{i}"] = len(vocab)
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment]
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token="<s>",

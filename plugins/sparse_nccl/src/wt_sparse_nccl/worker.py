@@ -17,8 +17,10 @@ vllm_config)`:
 3. `InPlacePatcher`: the model's `named_parameters()` carry the HF names and
    full shapes, and entries are written into them in place.
 
-Start and finish run no layerwise reload: parameters are patched where they
-live. No draft-model updates.
+With `MethodPatcher` and `InPlacePatcher`, start and finish run no layerwise
+reload: parameters are patched where they live. A provider's patcher may defer
+the model change to `commit` (inside vLLM, `weight_transfer.vllm.sparse`
+reloads the touched layers there). No draft-model updates.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class SparsePatcher(Protocol):
     `check` raises `ValueError` (prefixed with `where`) for a patch the model
     cannot take and writes nothing; the engine checks a whole batch before the
     first `apply`. `abort` restores every value applied since `begin` and is
-    idempotent.
+    idempotent. A `commit` that raises has already restored everything the
+    round changed; `commit` or `abort` after it is a no-op.
     """
 
     def begin(self) -> None: ...

@@ -1,0 +1,289 @@
+"""`HTTPVLLMWeightSyncClient` against a real vLLM API server process on 127.0.0.1.
+
+The server (`VLLM_SERVER_DEV_MODE=1`, engine backend `wt_nccl`) is started
+and stopped by this module. Its completions after each sync are compared with
+fresh in-process engines loaded from the target checkpoints; its weight
+version is read through `GET /weight_info`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.vllm.conftest import (
+    INITIAL_SEED,
+    LOGPROBS,
+    MAX_TOKENS,
+    PROMPTS,
+    AlteredSource,
+    Outputs,
+    References,
+    SwitchSource,
+    TinyDirs,
+    VersionedClient,
+    connect,
+    hf_model,
+    require_backend,
+)
+from weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightSyncRPCError
+
+pytest.importorskip("vllm")
+httpx = pytest.importorskip("httpx")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BACKEND = "nccl"
+READY_TIMEOUT_S = 240.0
+
+
+class Server:
+    def __init__(self, model_dir: str, log_path: str) -> None:
+        from weight_transfer.transport.group import free_port
+
+        self.model_dir = model_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs as deployed
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1")
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.launchers.api_server.entry",
+            "--model",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory-bytes",
+            str(32 << 20),
+            "--no-enable-prefix-caching",
+            "--weight-transfer-config",
+            json.dumps({"backend": f"wt_{BACKEND}"}),
+        ]
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.http = httpx.Client(base_url=self.url, timeout=60.0)
+
+    def log_tail(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read()[-4000:].decode(errors="replace")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM server exited ({self.proc.returncode}):\n{self.log_tail()}"
+                )
+            try:
+                if self.http.get("/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM server not ready in {READY_TIMEOUT_S:g}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the server and the engine it started
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+    def generate(self) -> Outputs:
+        body = {
+            "model": self.model_dir,
+            "prompt": PROMPTS,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "logprobs": LOGPROBS,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+        }
+        response = self.http.post("/v1/completions", json=body)
+        response.raise_for_status()
+        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+        outputs: Outputs = []
+        for choice in choices:
+            lp = choice["logprobs"]
+            tokens = [_token_id(t) for t in lp["tokens"]]
+            positions = []
+            for token, logprob, top in zip(
+                tokens, lp["token_logprobs"], lp["top_logprobs"], strict=True
+            ):
+                entries = {_token_id(t): v for t, v in top.items()}
+                entries[token] = logprob
+                positions.append(sorted(entries.items()))
+            outputs.append((tokens, positions))
+        return outputs
+
+    def weight_version(self) -> str:
+        response = self.http.get("/weight_info")
+        response.raise_for_status()
+        return str(response.json()["weight_version"])
+
+
+def _token_id(token: str) -> int:
+    assert token.startswith("token_id:"), token
+    return int(token.removeprefix("token_id:"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs: TinyDirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    require_backend(BACKEND)
+    log = tmp_path_factory.mktemp("http-server") / "server.log"
+    srv = Server(tiny_dirs[INITIAL_SEED], str(log))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_http_sync_rounds_and_failures(
+    server: Server, references: References, tmp_path: Any
+) -> None:
+    assert server.generate() == references.outputs(INITIAL_SEED)
+    assert server.weight_version() == "default"
+
+    http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    client = VersionedClient(http)
+    source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
+    trainer = connect(BACKEND, client, source, str(tmp_path))
+    try:
+        for round_, seed in enumerate((2, 3, 2), start=1):
+            source.inner = ModuleSource(hf_model(seed))
+            client.version = f"http-{round_}"
+            trainer.send_weights()
+            assert server.generate() == references.outputs(seed), f"round {round_}"
+            assert server.weight_version() == f"http-{round_}"
+            assert http.weight_version() == f"http-{round_}"
+
+        down = "model.layers.1.mlp.down_proj.weight"
+        bogus = "model.layers.1.mlp.bogus_proj.weight"
+        model = hf_model(3)
+        source.inner = AlteredSource(model, {down: (bogus, dict(model.named_parameters())[down])})
+        client.version = "never"
+        with pytest.raises(WeightSyncRPCError) as failure:
+            trainer.send_weights()
+        assert failure.value.status == 500
+        assert failure.value.method == "update_weights"
+        assert "bogus_proj" in failure.value.detail
+        assert server.generate() == references.outputs(2)
+        assert server.weight_version() == "http-3"
+
+        source.inner = ModuleSource(hf_model(3))
+        client.version = "http-4"
+        trainer.send_weights()
+        assert server.generate() == references.outputs(3)
+        assert server.weight_version() == "http-4"
+    finally:
+        trainer.shutdown()
+        http.close()
+
+
+DEAD_TRAINER = """
+import sys, time, torch
+from weight_transfer import HTTPVLLMWeightSyncClient, ParamMeta, WeightSource
+from weight_transfer import WeightTransferTrainerFactory
+from wt_nccl import NCCLTrainerInitInfo
+
+url, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+state = torch.load(path)
+
+class Stalling(WeightSource):
+    def metadata(self):
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
+
+    def __iter__(self):
+        for i, (n, t) in enumerate(state.items()):
+            if i == len(state) - 3:
+                print("STALLING", flush=True)
+                time.sleep(600)
+            yield n, t
+
+info = NCCLTrainerInitInfo(
+    "127.0.0.1", port, 2, rank=0, device="cpu", timeout_s=120.0,
+    packed_buffer_size_bytes=64 << 10, packed_min_bucket_bytes=0,
+)
+client = HTTPVLLMWeightSyncClient(url, timeout=120.0)
+trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=Stalling())
+trainer.send_weights()
+"""
+
+
+def test_http_dead_trainer_keeps_previous_weights(
+    server: Server, references: References, tmp_path: Any
+) -> None:
+    """A trainer process killed in the middle of a round: the engine rolls back,
+    keeps serving, and a new trainer connects and syncs."""
+    import torch
+
+    from weight_transfer.transport.group import free_port
+
+    http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    client = VersionedClient(http)
+    source = SwitchSource(ModuleSource(hf_model(2)))
+    trainer = connect(BACKEND, client, source, str(tmp_path))
+    client.version = "before-dead-trainer"
+    trainer.send_weights()
+    trainer.shutdown()
+    assert server.generate() == references.outputs(2)
+
+    state_path = tmp_path / "seed3.pt"
+    torch.save({n: p.detach() for n, p in hf_model(3).named_parameters()}, state_path)
+    dead = subprocess.Popen(
+        [sys.executable, "-c", DEAD_TRAINER, server.url, str(free_port()), str(state_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while time.monotonic() < deadline and "STALLING" not in line:
+            line = dead.stdout.readline() if dead.stdout else ""
+            if not line and dead.poll() is not None:
+                break
+        assert "STALLING" in line, f"the trainer did not reach the stall (rc {dead.poll()})"
+        time.sleep(1.0)  # let the buckets already sent land in the model
+    finally:
+        dead.kill()
+        dead.wait(10)
+
+    assert server.generate() == references.outputs(2)
+    assert server.weight_version() == "before-dead-trainer"
+
+    trainer = connect(BACKEND, client, source, str(tmp_path))
+    try:
+        source.inner = ModuleSource(hf_model(3))
+        client.version = "after-dead-trainer"
+        trainer.send_weights()
+        assert server.generate() == references.outputs(3)
+        assert server.weight_version() == "after-dead-trainer"
+    finally:
+        trainer.shutdown()
+        http.close()

@@ -1,0 +1,130 @@
+"""`RayVLLMWeightSyncClient` against a vLLM `LLM` living in a Ray actor.
+
+The Ray cluster is local, started by this module on 127.0.0.1 with its own
+temporary directory, and shut down afterwards. The trainer (this process)
+reaches the actor's worker over the backend's own loopback group.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from tests.vllm.conftest import (
+    INITIAL_SEED,
+    LLM_KWARGS,
+    PROMPTS,
+    AlteredSource,
+    Outputs,
+    References,
+    SwitchSource,
+    TinyDirs,
+    VersionedClient,
+    connect,
+    hf_model,
+    require_backend,
+    sampling_params,
+)
+from weight_transfer import ModuleSource, RayVLLMWeightSyncClient, WeightSyncRPCError
+
+pytest.importorskip("vllm")
+ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow]
+
+BACKEND = "nccl"
+ACTOR_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def outputs_of(request_outputs: list[Any]) -> Outputs:
+    result: Outputs = []
+    for out in request_outputs:
+        completion = out.outputs[0]
+        logprobs = [
+            sorted((tid, lp.logprob) for tid, lp in position.items())
+            for position in completion.logprobs
+        ]
+        result.append((list(completion.token_ids), logprobs))
+    return result
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    if ray.is_initialized():
+        pytest.skip("a Ray session is already running in this process")
+    temp_dir = tempfile.mkdtemp(prefix="wtray")
+    ray.init(
+        _temp_dir=temp_dir,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=2,
+        log_to_driver=False,
+    )
+    try:
+        addresses = {node["NodeManagerAddress"] for node in ray.nodes()}
+        assert addresses == {"127.0.0.1"}, f"Ray is not on loopback only: {addresses}"
+        yield ray
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def llm_actor(ray_cluster: Any, tiny_dirs: TinyDirs) -> Iterator[Any]:
+    require_backend(BACKEND)
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    actor_cls = ray_cluster.remote(num_cpus=1, runtime_env={"env_vars": ACTOR_ENV})(LLM)
+    actor = actor_cls.remote(
+        model=tiny_dirs[INITIAL_SEED],
+        weight_transfer_config=WeightTransferConfig(backend=f"wt_{BACKEND}"),
+        **LLM_KWARGS,
+    )
+    ray_cluster.get(actor.get_weight_version.remote(), timeout=180)
+    yield actor
+    ray_cluster.kill(actor)
+
+
+def generate(actor: Any) -> Outputs:
+    refs = actor.generate.remote(PROMPTS, sampling_params(), use_tqdm=False)
+    return outputs_of(ray.get(refs, timeout=120))
+
+
+def test_ray_actor_sync(llm_actor: Any, references: References, tmp_path: Any) -> None:
+    assert generate(llm_actor) == references.outputs(INITIAL_SEED)
+    client = VersionedClient(RayVLLMWeightSyncClient(llm_actor, timeout=120.0))
+    source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
+    trainer = connect(BACKEND, client, source, str(tmp_path))
+    try:
+        for round_, seed in enumerate((2, 3), start=1):
+            source.inner = ModuleSource(hf_model(seed))
+            client.version = f"ray-{round_}"
+            trainer.send_weights()
+            assert generate(llm_actor) == references.outputs(seed), f"round {round_}"
+            assert ray.get(llm_actor.get_weight_version.remote(), timeout=60) == f"ray-{round_}"
+
+        down = "model.layers.1.mlp.down_proj.weight"
+        bad = AlteredSource(hf_model(2), {down: (down, hf_model(2).lm_head.weight.detach())})
+        source.inner = bad
+        with pytest.raises(WeightSyncRPCError, match="down_proj"):
+            trainer.send_weights()
+        assert generate(llm_actor) == references.outputs(3)
+
+        source.inner = ModuleSource(hf_model(2))
+        trainer.send_weights()
+        assert generate(llm_actor) == references.outputs(2)
+    finally:
+        trainer.shutdown()
