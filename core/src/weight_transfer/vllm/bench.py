@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {args.layers} layers, {nbytes / 2**30:.2f} GiB float32; repeats {args.repeats}")
 
     cuda = torch.cuda.is_available()
+    extra: dict[str, Any] = {} if cuda else {"kv_cache_memory_bytes": 32 << 20}
     llm = LLM(
         model=served_dir,
         dtype="float32",
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=256,
         distributed_executor_backend="uni",
         weight_transfer_config=WeightTransferConfig(backend="wt_nccl"),
-        **({} if cuda else {"kv_cache_memory_bytes": 32 << 20}),
+        **extra,
     )
     client = LocalVLLMWeightSyncClient(llm)
     sources = [ModuleSource(m) for m in targets]
@@ -106,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         def reload(worker: Any) -> None:
             worker.model_runner.reload_weights(weights_iterator=iter(weights))
 
-        return lambda: llm.collective_rpc(reload)
+        def run() -> None:
+            llm.collective_rpc(reload)
+
+        return run
 
     def sync_with(wire: dict[str, Any]) -> Callable[[int], Callable[[], None]]:
         def prepare(i: int) -> Callable[[], None]:
