@@ -160,6 +160,8 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
             return None
         if method == "load_calls":
             return model.load_calls
+        if method == "weight_version":
+            return session.weight_version
         if method == "state_dict":
             return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
         return getattr(session, method)(*args, **kwargs)

@@ -110,10 +110,16 @@ def test_http_client_speaks_the_four_routes(server: Server) -> None:
         ("POST", "/start_weight_update", None),
         ("POST", "/update_weights", {"update_info": update}),
         ("POST", "/finish_weight_update", None),
+        ("POST", "/reset_prefix_cache", None),
         ("POST", "/start_weight_update", None),
         ("POST", "/update_weights", {"update_info": {"names": []}}),
         ("POST", "/finish_weight_update", {"weight_version": "step-42"}),
+        ("POST", "/reset_prefix_cache", None),
     ]
+    HTTPVLLMWeightSyncClient(
+        server.url, timeout=10, reset_prefix_cache=False
+    ).finish_weight_update()
+    assert server.seen[-1] == ("POST", "/finish_weight_update", None)
     assert client.weight_version() == "step-42"
     client.start_draft_weight_update()
     client.shutdown_weight_transfer_engine()
@@ -212,6 +218,9 @@ class LLMShaped:
         self.calls.append(("finish", weight_version))
         self.session.finish_weight_update(weight_version)
 
+    def reset_prefix_cache(self) -> None:
+        self.calls.append(("reset_prefix_cache", None))
+
 
 def test_local_client_drives_an_in_process_worker_end_to_end(tmp_path: Path) -> None:
     from wt_example.trainer import FileTrainerInitInfo
@@ -232,7 +241,7 @@ def test_local_client_drives_an_in_process_worker_end_to_end(tmp_path: Path) -> 
     )
     engine.send_weights()
     assert {n: digest(t) for n, t in worker_model.received.items()} == expected_digests(model)
-    assert [c for c, _ in llm.calls] == ["init", "start", "update", "finish"]
+    assert [c for c, _ in llm.calls] == ["init", "start", "update", "finish", "reset_prefix_cache"]
     assert llm.calls[0][1]["directory"] == str(tmp_path)
     assert llm.calls[2][1]["names"] == names
     assert not session.active
@@ -253,7 +262,7 @@ def test_local_client_passes_weight_version_only_when_given() -> None:
             self.calls.append((args, kwargs))
 
     llm = Plain()
-    client = LocalVLLMWeightSyncClient(llm)
+    client = LocalVLLMWeightSyncClient(llm, reset_prefix_cache=False)
     client.finish_weight_update()
     client.finish_weight_update("v2")
     assert llm.calls == [((), {}), ((), {"weight_version": "v2"})]

@@ -68,3 +68,21 @@ def test_nccl_broadcast_between_two_gpus(packed: bool) -> None:
             (got,) = pool.each("digests")
             assert got == {n: digest(t.cpu()) for n, t in tensors.items()}
         engine.shutdown()
+
+
+def test_cpu_trainer_feeds_a_gpu_worker_over_gloo() -> None:
+    """One GPU: the engine holds it, so the trainer streams from CPU over gloo."""
+    from wt_nccl import NCCLTrainerInitInfo
+
+    tensors = mixed_tensors(4, big_numel=100_000)
+    with WorkerPool("nccl", 1, names=list(tensors), devices=["cuda:0"]) as pool:
+        info: Any = NCCLTrainerInitInfo(
+            "127.0.0.1", free_port(), 2, rank=0, device="cpu", timeout_s=60
+        )
+        engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=pool.client(), source=DictSource(tensors)
+        )
+        engine.send_weights()
+        (got,) = pool.each("digests")
+        assert got == {n: digest(t) for n, t in tensors.items()}
+        engine.shutdown()

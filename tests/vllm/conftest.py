@@ -31,7 +31,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from weight_transfer import ModuleSource, ParamMeta, WeightSource
 
-PROMPTS = ["w1 w2 w3", "w10 w20 w30 w40 w50", "w7"]
+# The last prompt spans several KV-cache blocks, so prefix caching would serve it
+# stale KV after a sync if the clients did not reset the cache.
+PROMPTS = ["w1 w2 w3", "w10 w20 w30 w40 w50", "w7", " ".join(f"w{i}" for i in range(60, 200))]
 MAX_TOKENS = 8
 LOGPROBS = 2
 INITIAL_SEED = 1
@@ -43,7 +45,6 @@ LLM_KWARGS: dict[str, Any] = {
     "max_model_len": 256,
     "kv_cache_memory_bytes": 32 << 20,
     "distributed_executor_backend": "uni",
-    "enable_prefix_caching": False,
 }
 
 # Engines that must outlive every test (see the module docstring).

@@ -72,7 +72,6 @@ class Server:
             "256",
             "--kv-cache-memory-bytes",
             str(32 << 20),
-            "--no-enable-prefix-caching",
             "--weight-transfer-config",
             json.dumps({"backend": f"wt_{BACKEND}"}),
         ]

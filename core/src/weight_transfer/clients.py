@@ -2,8 +2,13 @@
 
 Each implements `VLLMWeightSyncClient`: it reaches every inference worker,
 blocks until all are done, and raises `WeightSyncRPCError` (carrying the
-server's message) when any of them fails. `httpx`, `ray` and `vllm` are
-imported only when the matching client is created.
+server's message) when any of them fails.
+
+After a successful `finish_weight_update` each client resets the engine's
+prefix cache (`reset_prefix_cache=True`, the default): cached KV blocks were
+computed with the old weights, and a request sharing a prefix would reuse them.
+
+`httpx`, `ray` and `vllm` are imported only when the matching client is created.
 """
 
 from __future__ import annotations
@@ -40,10 +45,16 @@ class HTTPVLLMWeightSyncClient:
     """
 
     def __init__(
-        self, base_url: str, timeout: float = 300.0, *, update_timeout: float | None = None
+        self,
+        base_url: str,
+        timeout: float = 300.0,
+        *,
+        update_timeout: float | None = None,
+        reset_prefix_cache: bool = True,
     ) -> None:
         import httpx
 
+        self.reset_prefix_cache = reset_prefix_cache
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.update_timeout = update_timeout if update_timeout is not None else timeout
@@ -86,6 +97,8 @@ class HTTPVLLMWeightSyncClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         body = {"weight_version": weight_version} if weight_version is not None else None
         self._request("POST", "/finish_weight_update", body)
+        if self.reset_prefix_cache:
+            self._request("POST", "/reset_prefix_cache")
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._request("POST", "/shutdown_weight_transfer_engine")
@@ -117,9 +130,16 @@ class RayVLLMWeightSyncClient:
     the four methods). Each call fans out to every handle and blocks on all,
     at most `timeout` seconds."""
 
-    def __init__(self, handles: Any | Sequence[Any], timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        handles: Any | Sequence[Any],
+        timeout: float = 300.0,
+        *,
+        reset_prefix_cache: bool = True,
+    ) -> None:
         import ray
 
+        self.reset_prefix_cache = reset_prefix_cache
         self._ray = ray
         self.handles = list(handles) if isinstance(handles, (list, tuple)) else [handles]
         if not self.handles:
@@ -147,13 +167,16 @@ class RayVLLMWeightSyncClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._fan_out("finish_weight_update", weight_version=weight_version)
+        if self.reset_prefix_cache:
+            self._fan_out("reset_prefix_cache")
 
 
 class LocalVLLMWeightSyncClient:
     """An in-process `vllm.LLM` (or anything exposing its four RL methods)."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, *, reset_prefix_cache: bool = True) -> None:
         self.llm = llm
+        self.reset_prefix_cache = reset_prefix_cache
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> None:
         try:
@@ -175,3 +198,5 @@ class LocalVLLMWeightSyncClient:
             self._call("finish_weight_update")
         else:
             self._call("finish_weight_update", weight_version=weight_version)
+        if self.reset_prefix_cache:
+            self._call("reset_prefix_cache")

@@ -63,8 +63,9 @@ def test_mixed_dtypes_three_rounds_bit_exact(pool: WorkerPool, mode: str) -> Non
         fresh = mixed_tensors(round_ + 1, big_numel=3000)
         for name, t in tensors.items():
             t.copy_(fresh[name])
-        engine.send_weights()
+        engine.send_weights(weight_version=f"round-{round_}")
         assert_received(pool, tensors)
+        assert pool.each("weight_version") == [f"round-{round_}"] * WORKERS
     engine.shutdown()
 
 

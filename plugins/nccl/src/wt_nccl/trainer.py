@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -140,8 +140,12 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
             self._plan, self._plan_key = plan_for(metas, self.wire), key
         return self._plan
 
-    def send_weights(self, *args: Any, **kwargs: Any) -> None:
-        """One full round; see the module docstring. Returns with nothing in flight."""
+    def send_weights(self, weight_version: str | None = None) -> None:
+        """One full round; see the module docstring. Returns with nothing in flight.
+
+        `weight_version` labels the new weights; it is committed by the
+        workers' `finish_weight_update`, so it changes together with the weights.
+        """
         assert self.source is not None
         metas = self.source.metadata()
         if not self.is_sender:
@@ -183,7 +187,8 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
             await_transfer(
                 rpc, watch={}, timeout_s=self.info.timeout_s, what="the workers' update_weights"
             )
-            self.client.finish_weight_update()
+            self.client.finish_weight_update(weight_version)
+            tracker.weight_version = weight_version
 
     def _stream(
         self,

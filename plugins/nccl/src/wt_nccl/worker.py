@@ -52,20 +52,30 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
     _loader: WeightLoader | None = None
 
     def init_transfer_engine(self, init_info: NCCLWorkerInitInfo) -> None:
-        """Record the trainer's wire parameters and join its group (replacing an old one)."""
-        wants_cuda = init_info.transport == "nccl"
-        if wants_cuda != (self.device.type == "cuda"):
+        """Record the trainer's wire parameters and join its group (replacing an old one).
+
+        `transport` "nccl" needs a CUDA worker. With "gloo" the worker receives
+        into CPU buffers whatever its device and the loader copies to the model:
+        that is how a CPU trainer feeds a GPU engine (e.g. on a single GPU,
+        where NCCL cannot pair two ranks on one device).
+        """
+        if init_info.transport == "nccl" and self.device.type != "cuda":
             raise ValueError(
-                f"init_info: field 'transport' is {init_info.transport!r}, but this worker's "
-                f"model lives on {self.device}; gloo carries CPU tensors, nccl CUDA tensors"
+                f"init_info: field 'transport' is 'nccl', but this worker's model lives on "
+                f"{self.device}; NCCL carries CUDA tensors only (a CPU trainer sends over gloo)"
             )
+        wire_device = self.device if init_info.transport == "nccl" else torch.device("cpu")
         if self.group is not None:
             self.group.abort()
             self.group = None
         self.wire = init_info.wire
-        if self._buffers is None or len(self._buffers) != self.wire.packed_num_buffers:
-            self._buffers = RotatingBuffers(self.wire.packed_num_buffers, self.device)
-        self.group = join_group(init_info, self.position, self.device)
+        buffers = self._buffers
+        if buffers is None or (len(buffers), buffers.device) != (
+            self.wire.packed_num_buffers,
+            wire_device,
+        ):
+            self._buffers = RotatingBuffers(self.wire.packed_num_buffers, wire_device)
+        self.group = join_group(init_info, self.position, wire_device)
 
     def start_weight_update(self) -> None:
         self._loader = self.new_loader()
@@ -97,7 +107,7 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         loader: WeightLoader,
     ) -> None:
         plan = plan_for(update_info.metas, wire)
-        unpacker = Unpacker(plan, self.device)
+        unpacker = Unpacker(plan, group.device)
         nb = len(buffers)
         # A receive into bucket j's buffer waits for the load of bucket j - lag;
         # views may outlive their bucket by `horizon` buckets.
@@ -105,7 +115,7 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         horizon = nb - lag
         loads: list[Future[None]] = []
         failure: BaseException | None = None
-        head = torch.empty(2, dtype=torch.int64, device=self.device)
+        head = torch.empty(2, dtype=torch.int64, device=group.device)
         wait = timedelta(seconds=group.timeout_s)
         with ThreadPoolExecutor(1, thread_name_prefix="wt-nccl-load") as pool:
             for k, bucket in enumerate(plan.buckets):
@@ -123,7 +133,7 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
                 if wire.packed:
                     data = buffers.get(k, bucket.nbytes)
                 else:
-                    data = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+                    data = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
                 group.broadcast(data).wait(wait)
                 if failure is not None:
                     continue  # drain: keep the group aligned, load nothing more
