@@ -31,9 +31,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from weight_transfer import ModuleSource, ParamMeta, WeightSource
 
-# The last prompt spans several KV-cache blocks, so prefix caching would serve it
-# stale KV after a sync if the clients did not reset the cache.
-PROMPTS = ["w1 w2 w3", "w10 w20 w30 w40 w50", "w7", " ".join(f"w{i}" for i in range(60, 200))]
+PROMPTS = ["w1 w2 w3", "w10 w20 w30 w40 w50", "w7"]
+# Longer than a KV-cache block (128 tokens on CPU): prefix caching would serve it
+# stale KV after a sync if nothing reset the cache.
+LONG_PROMPTS = [" ".join(f"w{i}" for i in range(60, 200))]
 MAX_TOKENS = 8
 LOGPROBS = 2
 INITIAL_SEED = 1
@@ -78,9 +79,9 @@ def sampling_params() -> Any:
     )
 
 
-def generate(llm: Any) -> Outputs:
-    """Greedy tokens and logprobs of `llm` for `PROMPTS`."""
-    outs = llm.generate(PROMPTS, sampling_params(), use_tqdm=False)
+def generate(llm: Any, prompts: list[str] = PROMPTS) -> Outputs:
+    """Greedy tokens and logprobs of `llm` for `prompts`."""
+    outs = llm.generate(prompts, sampling_params(), use_tqdm=False)
     result: Outputs = []
     for out in outs:
         completion = out.outputs[0]

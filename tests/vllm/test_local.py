@@ -14,6 +14,7 @@ import torch
 
 from tests.sources import DisagreeingSource
 from tests.vllm.conftest import (
+    LONG_PROMPTS,
     AlteredSource,
     References,
     ServedEngines,
@@ -59,6 +60,18 @@ def _bad_sources(seed: int) -> dict[str, tuple[Any, str]]:
             "bogus_proj",
         ),
     }
+
+
+def test_sync_invalidates_the_prefix_cache(served: ServedEngines, references: References) -> None:
+    """A prompt cached before a sync must be recomputed with the new weights."""
+    engine = served("nccl")
+    first, second = (2, 3) if engine.seed != 2 else (3, 2)
+    for seed in (first, second):
+        references.outputs(seed)  # starts the reference engine
+    engine.sync(first)
+    assert generate(engine.llm, LONG_PROMPTS) == generate(references.engines[first], LONG_PROMPTS)
+    engine.sync(second)  # the long prompt's KV blocks are cached with the old weights
+    assert generate(engine.llm, LONG_PROMPTS) == generate(references.engines[second], LONG_PROMPTS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {args.layers} layers, {nbytes / 2**30:.2f} GiB float32; repeats {args.repeats}")
 
     cuda = torch.cuda.is_available()
-    extra: dict[str, Any] = {} if cuda else {"kv_cache_memory_bytes": 32 << 20}
+    extra: dict[str, Any] = {} if cuda else {"kv_cache_memory_bytes": 256 << 20}
     llm = LLM(
         model=served_dir,
         dtype="float32",
