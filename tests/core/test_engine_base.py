@@ -275,7 +275,7 @@ def test_loader_provider_is_tried_first(monkeypatch: pytest.MonkeyPatch) -> None
     from weight_transfer import loading
 
     monkeypatch.setattr(loading, "_providers", [])
-    sentinel = DirectLoader(TinyModel(), snapshot_all=False)
+    sentinel = DirectLoader(TinyModel())
     loading.register_loader_provider(lambda model, cfg: sentinel if cfg == "mine" else None)
     assert loader_for(TinyModel(), "mine") is sentinel
     assert loader_for(TinyModel(), None) is not sentinel

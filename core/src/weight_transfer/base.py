@@ -263,8 +263,14 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             self.receive_weights(info)
             if not self.defers_processing:
                 synchronize_device(self.device)
-        except BaseException:
-            self.abort_weight_update()
+        except BaseException as error:
+            try:
+                self.abort_weight_update()
+            except BaseException as abort_error:
+                raise RuntimeError(
+                    f"update_weights failed ({type(error).__name__}: {error}) and rolling "
+                    f"back failed too ({type(abort_error).__name__}: {abort_error})"
+                ) from error
             raise
 
     def drain_pending(self) -> None:

@@ -38,26 +38,20 @@ class WeightLoader(Protocol):
 
 
 class DirectLoader:
-    """`model.load_weights` with an undo log of the parameters it overwrites.
+    """`model.load_weights` with an undo copy of the model's parameters.
 
-    The model must expose `load_weights(iterable of (name, tensor))`. The undo
-    log snapshots parameters by their model name (`named_parameters()`) before
-    the first batch that touches them; names the model maps (fused or renamed
-    parameters) are covered by snapshotting every parameter on `begin()` when
-    `snapshot_all` is set.
+    The model must expose `load_weights(iterable of (name, tensor))`. `begin()`
+    copies every parameter (`named_parameters()`), so `abort()` restores them
+    whatever names the model's loader maps (fused or renamed parameters). Cost:
+    one copy of the parameters per round.
     """
 
-    def __init__(self, model: torch.nn.Module, *, snapshot_all: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.snapshot_all = snapshot_all
         self._undo: dict[str, torch.Tensor] | None = None
 
     def begin(self) -> None:
-        self._undo = (
-            {n: p.detach().clone() for n, p in self.model.named_parameters()}
-            if self.snapshot_all
-            else {}
-        )
+        self._undo = {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         load_weights = getattr(self.model, "load_weights", None)

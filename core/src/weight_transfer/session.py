@@ -76,7 +76,13 @@ class WorkerSession:
         if not self._active:
             raise RuntimeError("start_weight_update must be called before update_weights")
         if isinstance(update_info, list):
-            update_info = update_info[self.engine.position.global_index]
+            position = self.engine.position
+            if len(update_info) != position.total_workers:
+                raise ValueError(
+                    f"update_info: a per-worker list needs {position.total_workers} entries "
+                    f"(one per worker), got {len(update_info)}"
+                )
+            update_info = update_info[position.global_index]
         try:
             self.engine.update_weights(update_info)
         except BaseException:

@@ -349,7 +349,7 @@ def test_batches_the_workers_refuse_apply_nothing_and_the_next_sync_works(
     for bad, message in skipped.values():
         rig.client.start_weight_update()
         with pytest.raises(WeightSyncRPCError, match=rf"patch 1 \('{B1}'\): .*{message}"):
-            rig.engine._broadcast([good, bad])
+            rig.engine._broadcast(rig.engine._prepare([good, bad]))
         rig.assert_state(state)
 
     # A chunk refused mid-round rolls the earlier chunks of that round back, too.

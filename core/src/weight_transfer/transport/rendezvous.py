@@ -13,6 +13,7 @@ Worker: `join_group(info, position, device)` joins as rank
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,7 @@ class GroupTrainerFields:
             "world_size": self.world_size,
             "rank_offset": 1,
             "timeout_s": self.timeout_s,
+            "transport": "nccl" if self.resolved_device().type == "cuda" else "gloo",
         }
 
 
@@ -72,9 +74,13 @@ class GroupInitInfo(WeightTransferInitInfo):
     world_size: int = field(kw_only=True)
     rank_offset: int = field(default=1, kw_only=True)
     timeout_s: float = field(default=300.0, kw_only=True)
-    group_name: str = field(default="wt", kw_only=True)
+    transport: str = field(default="gloo", kw_only=True)
 
     def __post_init__(self) -> None:
+        if self.transport not in ("gloo", "nccl"):
+            raise ValueError(
+                f"init_info: field 'transport' must be 'gloo' or 'nccl', got {self.transport!r}"
+            )
         if self.world_size < 2:
             raise ValueError(
                 f"init_info: field 'world_size' must be at least 2, got {self.world_size}"
@@ -88,13 +94,13 @@ class GroupInitInfo(WeightTransferInitInfo):
 
 
 def trainer_rendezvous(
-    client: VLLMWeightSyncClient,
-    payload: dict[str, Any],
-    info: GroupTrainerFields,
-    *,
-    group_name: str = "wt",
+    client: VLLMWeightSyncClient, payload: dict[str, Any], info: GroupTrainerFields
 ) -> StatelessGroup:
-    """Host rank 0 of the group while the workers join through `client`; see module doc."""
+    """Host rank 0 of the group while the workers join through `client`; see module doc.
+
+    On failure the rank-0 side is released as soon as its rendezvous thread
+    returns, so a retry can bind the same port once that thread is done.
+    """
     rpc = in_background(lambda: client.init_weight_transfer_engine(payload), name="wt-init-rpc")
     join = in_background(
         lambda: StatelessGroup.create(
@@ -104,22 +110,41 @@ def trainer_rendezvous(
             world_size=info.world_size,
             device=info.resolved_device(),
             timeout_s=info.timeout_s,
-            name=group_name,
         ),
         name="wt-rendezvous",
     )
-    results = wait_for(
-        {"the workers' init_weight_transfer_engine": rpc, "the rendezvous": join},
-        info.timeout_s + _RPC_GRACE_S,
-    )
+    try:
+        results = wait_for(
+            {"the workers' init_weight_transfer_engine": rpc, "the rendezvous": join},
+            info.timeout_s + _RPC_GRACE_S,
+        )
+    except BaseException:
+        join.add_done_callback(_abort_joined)
+        raise
     group: StatelessGroup = results["the rendezvous"]
     return group
+
+
+def _abort_joined(join: Future[StatelessGroup]) -> None:
+    if join.exception() is None:
+        join.result().abort()
 
 
 def join_group(
     info: GroupInitInfo, position: WorkerPosition, device: torch.device | str
 ) -> StatelessGroup:
-    """Join the trainer's group as worker `position`; checks the world size first."""
+    """Join the trainer's group as worker `position`; checks the world size first.
+
+    The group's device follows the trainer's `transport`: "nccl" needs a CUDA
+    worker and carries CUDA tensors; "gloo" carries CPU tensors whatever the
+    worker's device (a CPU trainer feeding a GPU engine; the loader copies).
+    """
+    device = torch.device(device)
+    if info.transport == "nccl" and device.type != "cuda":
+        raise ValueError(
+            f"init_info: field 'transport' is 'nccl', but this worker's model lives on "
+            f"{device}; NCCL carries CUDA tensors only (a CPU trainer sends over gloo)"
+        )
     rank = info.rank_offset + position.global_index
     if rank >= info.world_size:
         raise ValueError(
@@ -132,7 +157,6 @@ def join_group(
         port=info.master_port,
         rank=rank,
         world_size=info.world_size,
-        device=device,
+        device=device if info.transport == "nccl" else torch.device("cpu"),
         timeout_s=info.timeout_s,
-        name=info.group_name,
     )

@@ -31,7 +31,9 @@ def _wheel_hint() -> str:
 
 def check_wire_protocol(payload: dict[str, Any], *, what: str = "init_info") -> None:
     """Raise `ProtocolMismatchError` unless `payload` speaks this wire protocol."""
-    got = payload.get("wire_protocol") if isinstance(payload, dict) else None
+    if not isinstance(payload, dict):
+        raise ValueError(f"{what}: expected an object, got {type(payload).__name__}")
+    got = payload.get("wire_protocol")
     if got is None:
         raise ProtocolMismatchError(
             f"{what}: missing field 'wire_protocol'; the trainer predates wire protocol "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -60,7 +60,7 @@ class FileTrainerEngine(TrainerWeightTransferEngine[FileTrainerInitInfo]):
             client.init_weight_transfer_engine(payload_of(worker_info))
         return engine
 
-    def send_weights(self, *args: Any, **kwargs: Any) -> None:
+    def send_weights(self, weight_version: str | None = None) -> None:
         assert self.source is not None
         metas = self.source.metadata()  # every rank: may be a collective
         if not self.is_sender:
@@ -88,6 +88,7 @@ class FileTrainerEngine(TrainerWeightTransferEngine[FileTrainerInitInfo]):
                     }
                 )
                 tracker.chunk_moved(total)
-                self.client.finish_weight_update()
+                self.client.finish_weight_update(weight_version)
+                tracker.weight_version = weight_version
             finally:
                 os.unlink(path)

@@ -15,7 +15,6 @@ worker stops at the same point and the group stays aligned for the next round.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
@@ -77,7 +76,6 @@ class WireParams:
 class NCCLWorkerInitInfo(GroupInitInfo):
     """The handshake a worker receives; see the module docstring."""
 
-    transport: Literal["gloo", "nccl"] = field(default="gloo", kw_only=True)
     packed: bool = field(default=True, kw_only=True)
     packed_buffer_size_bytes: int = field(default=DEFAULT_BUFFER_BYTES, kw_only=True)
     packed_num_buffers: int = field(default=2, kw_only=True)
@@ -85,10 +83,6 @@ class NCCLWorkerInitInfo(GroupInitInfo):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.transport not in ("gloo", "nccl"):
-            raise ValueError(
-                f"init_info: field 'transport' must be 'gloo' or 'nccl', got {self.transport!r}"
-            )
         self.wire.validate("init_info")
 
     @property

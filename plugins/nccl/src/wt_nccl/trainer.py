@@ -114,11 +114,9 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
         init_info.wire.validate("NCCLTrainerInitInfo")
         group = None
         if init_info.is_sender:
-            device = init_info.resolved_device()
             payload = payload_of(
                 NCCLWorkerInitInfo(
                     **init_info.worker_group_fields(),
-                    transport="nccl" if device.type == "cuda" else "gloo",
                     packed=init_info.packed,
                     packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
                     packed_num_buffers=init_info.packed_num_buffers,
@@ -240,7 +238,7 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
                             current[piece.start : piece.start + piece.nbytes]
                         )
                 else:
-                    out = as_bytes(next(pairs)[1])
+                    out = as_bytes(next(pairs)[1].to(self.device))
                 if k == last:
                     for _ in pairs:  # the source must end where metadata() does
                         pass

@@ -54,28 +54,21 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
     def init_transfer_engine(self, init_info: NCCLWorkerInitInfo) -> None:
         """Record the trainer's wire parameters and join its group (replacing an old one).
 
-        `transport` "nccl" needs a CUDA worker. With "gloo" the worker receives
-        into CPU buffers whatever its device and the loader copies to the model:
-        that is how a CPU trainer feeds a GPU engine (e.g. on a single GPU,
-        where NCCL cannot pair two ranks on one device).
+        The group (and the receive buffers) live where the trainer's transport
+        puts them: on this worker's GPU for NCCL, on CPU for gloo (see
+        `join_group`); the loader copies into the model.
         """
-        if init_info.transport == "nccl" and self.device.type != "cuda":
-            raise ValueError(
-                f"init_info: field 'transport' is 'nccl', but this worker's model lives on "
-                f"{self.device}; NCCL carries CUDA tensors only (a CPU trainer sends over gloo)"
-            )
-        wire_device = self.device if init_info.transport == "nccl" else torch.device("cpu")
         if self.group is not None:
             self.group.abort()
             self.group = None
         self.wire = init_info.wire
+        self.group = join_group(init_info, self.position, self.device)
         buffers = self._buffers
         if buffers is None or (len(buffers), buffers.device) != (
             self.wire.packed_num_buffers,
-            wire_device,
+            self.group.device,
         ):
-            self._buffers = RotatingBuffers(self.wire.packed_num_buffers, wire_device)
-        self.group = join_group(init_info, self.position, wire_device)
+            self._buffers = RotatingBuffers(self.wire.packed_num_buffers, self.group.device)
 
     def start_weight_update(self) -> None:
         self._loader = self.new_loader()
@@ -117,10 +110,14 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         failure: BaseException | None = None
         head = torch.empty(2, dtype=torch.int64, device=group.device)
         wait = timedelta(seconds=group.timeout_s)
-        with ThreadPoolExecutor(1, thread_name_prefix="wt-nccl-load") as pool:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="wt-nccl-load")
+        try:
             for k, bucket in enumerate(plan.buckets):
                 if failure is None and k >= lag:
                     failure = _error_of(loads[k - lag], group.timeout_s)
+                    if failure is not None:
+                        for fut in loads:  # queued loads would read buffers the drain reuses
+                            fut.cancel()
                 group.broadcast(head).wait(wait)
                 seq, status = (int(v) for v in head.tolist())
                 if seq != k or status != HEADER_OK:
@@ -143,7 +140,13 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
                 else:
                     loads.append(_done())
             for fut in loads:
+                if fut.cancelled():
+                    continue
                 failure = failure or _error_of(fut, group.timeout_s)
+        finally:
+            # Never wait here: a stuck load must not hold the worker (the loader's
+            # abort serializes with a load still running).
+            pool.shutdown(wait=False, cancel_futures=True)
         if failure is not None:
             raise _LoadFailed(f"loading the received weights failed: {failure}") from failure
 

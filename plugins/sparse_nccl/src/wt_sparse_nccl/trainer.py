@@ -26,6 +26,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
+
 from weight_transfer.base import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
@@ -130,7 +132,7 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
             raise RuntimeError(
                 "send_weights called between begin() and end(); use send_weight_chunk"
             )
-        self._require_group()
+        batch = self._prepare(patches)  # before start: a failure here leaves no open round
         self.rounds += 1
         total = sum(p.nbytes for p in patches)
         with track_sync(
@@ -138,7 +140,7 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
         ) as tracker:
             self.client.start_weight_update()
             tracker.started()
-            tracker.chunk_moved(self._broadcast(patches))
+            tracker.chunk_moved(self._broadcast(batch))
             self._finish(weight_version)
             tracker.weight_version = weight_version
 
@@ -163,17 +165,19 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
     def send_weight_chunk(self, patches: Sequence[SparseWeightPatch] | None) -> None:
         """Broadcast `patches` as one batch inside a round the caller opened.
 
-        If it raises inside a `begin()` round, that round is over (the workers
-        rolled it back); do not call `end()`.
+        A patch that fails the checks raises before anything is sent, and the
+        round stays open. If the broadcast itself raises inside a `begin()`
+        round, that round is over (the workers rolled it back); do not call
+        `end()`.
         """
         if not self.is_sender or not patches:
             return
         patches = list(patches)
         check_patches(patches)
-        self._require_group()
+        batch = self._prepare(patches)
         current = self._round
         try:
-            nbytes = self._broadcast(patches)
+            nbytes = self._broadcast(batch)
         except BaseException as e:
             if current is not None:
                 self._round = None
@@ -210,10 +214,7 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
 
     # -- internals -------------------------------------------------------
     def _finish(self, weight_version: str | None) -> None:
-        if weight_version is None:
-            self.client.finish_weight_update()
-        else:
-            self.client.finish_weight_update(weight_version)
+        self.client.finish_weight_update(weight_version)
 
     def _require_group(self) -> StatelessGroup:
         if self.group is None:
@@ -228,8 +229,16 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
             self.group = None
         self._no_group_reason = f"it was torn down after {reason}"
 
-    def _broadcast(self, patches: list[SparseWeightPatch]) -> int:
-        """Send checked `patches` as one batch; returns the bytes sent.
+    def _prepare(
+        self, patches: list[SparseWeightPatch]
+    ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The update payload and the packed wire buffers of checked `patches`."""
+        group = self._require_group()
+        info = update_info_of(patches)
+        return payload_of(info), [pack_group(g, patches, group.device) for g in wire_groups(info)]
+
+    def _broadcast(self, batch: tuple[dict[str, Any], list[torch.Tensor]]) -> int:
+        """Send a prepared batch; returns the bytes sent.
 
         `update_weights` runs on a side thread while the groups are broadcast;
         either failing raises at once. A failed broadcast gives the workers'
@@ -240,10 +249,7 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
         """
         group = self._require_group()
         timeout_s = self.info.timeout_s
-        info = update_info_of(patches)
-        layout = wire_groups(info)
-        buffers = [pack_group(g, patches, group.device) for g in layout]
-        payload = payload_of(info)
+        payload, buffers = batch
         rpc = in_background(lambda: self.client.update_weights(payload), name="wt-sparse-update")
         watch = {"the workers' update_weights": rpc}
         pending: Future[None] | None = None

@@ -26,6 +26,7 @@ reloads the touched layers there). No draft-model updates.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -212,7 +213,7 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
 
     def init_transfer_engine(self, init_info: SparseNCCLInitInfo) -> None:
         if self.group is not None:
-            self.group.close()
+            self.group.abort()  # the old group may be out of step; never wait on it
             self.group = None
         self._no_group_reason = "the last init_weight_transfer_engine failed"
         self.group = join_group(init_info, self.position, self.device)
@@ -260,13 +261,14 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
                 "the trainer must run trainer_init again"
             )
         n = len(info.names)
+        wire_device = self.group.device
         tensors: dict[str, list[torch.Tensor | None]] = {
             "indices": [None] * n,
             "values": [None] * n,
         }
         for group in wire_groups(info):
-            buffer = torch.empty(group.nbytes, dtype=torch.uint8, device=self.device)
-            self.group.broadcast(buffer, src=0).wait()
+            buffer = torch.empty(group.nbytes, dtype=torch.uint8, device=wire_device)
+            self.group.broadcast(buffer, src=0).wait(timedelta(seconds=self.group.timeout_s))
             for i, part in zip(group.members, unpack_group(group, buffer), strict=True):
                 tensors[group.kind][i] = part
         patches = []
@@ -279,12 +281,12 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
                     indices=(
                         indices
                         if indices is not None
-                        else torch.empty(0, dtype=info.index_dtypes[i], device=self.device)
+                        else torch.empty(0, dtype=info.index_dtypes[i], device=wire_device)
                     ),
                     values=(
                         values
                         if values is not None
-                        else torch.empty(0, dtype=info.values_dtypes[i], device=self.device)
+                        else torch.empty(0, dtype=info.values_dtypes[i], device=wire_device)
                     ),
                     full_shape=tuple(info.shapes[i]),
                 )
