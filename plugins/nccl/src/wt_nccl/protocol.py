@@ -14,7 +14,7 @@ worker stops at the same point and the group stays aligned for the next round.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,9 +45,13 @@ class TrainerAbortedError(RuntimeError):
     """The trainer abandoned the round; the worker rolls back."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class WireParams:
-    """Must-agree parameters; the trainer is their only source."""
+    """Must-agree parameters; the trainer is their only source.
+
+    Mixed into both the trainer's and the worker's init info; `wire` is a
+    detached copy that engines keep.
+    """
 
     packed: bool = True
     packed_buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
@@ -71,20 +75,6 @@ class WireParams:
                 f"got {self.packed_min_bucket_bytes}"
             )
 
-
-@dataclass
-class NCCLWorkerInitInfo(GroupInitInfo):
-    """The handshake a worker receives; see the module docstring."""
-
-    packed: bool = field(default=True, kw_only=True)
-    packed_buffer_size_bytes: int = field(default=DEFAULT_BUFFER_BYTES, kw_only=True)
-    packed_num_buffers: int = field(default=2, kw_only=True)
-    packed_min_bucket_bytes: int = field(default=DEFAULT_MIN_BUCKET_BYTES, kw_only=True)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.wire.validate("init_info")
-
     @property
     def wire(self) -> WireParams:
         return WireParams(
@@ -93,6 +83,15 @@ class NCCLWorkerInitInfo(GroupInitInfo):
             self.packed_num_buffers,
             self.packed_min_bucket_bytes,
         )
+
+
+@dataclass
+class NCCLWorkerInitInfo(WireParams, GroupInitInfo):
+    """The handshake a worker receives; see the module docstring."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.validate("init_info")
 
 
 @dataclass

@@ -42,8 +42,6 @@ from weight_transfer.transport.group import StatelessGroup
 from weight_transfer.transport.packing import BucketPlan, RotatingBuffers, as_bytes
 from weight_transfer.transport.rendezvous import GroupTrainerFields, trainer_rendezvous
 from wt_nccl.protocol import (
-    DEFAULT_BUFFER_BYTES,
-    DEFAULT_MIN_BUCKET_BYTES,
     HEADER_ABORT,
     HEADER_OK,
     NCCLWorkerInitInfo,
@@ -56,26 +54,12 @@ __all__ = ["NCCLTrainerInitInfo", "NCCLTrainerEngine"]
 
 
 @dataclass
-class NCCLTrainerInitInfo(TrainerInitInfo, GroupTrainerFields):
+class NCCLTrainerInitInfo(WireParams, TrainerInitInfo, GroupTrainerFields):
     """How a trainer configures the `nccl` backend: the group (see
     `GroupTrainerFields`) and the wire parameters, which the sender ships to
     every worker in `trainer_init`."""
 
     backend: ClassVar[str] = "nccl"
-
-    packed: bool = True
-    packed_buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
-    packed_num_buffers: int = 2
-    packed_min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES
-
-    @property
-    def wire(self) -> WireParams:
-        return WireParams(
-            self.packed,
-            self.packed_buffer_size_bytes,
-            self.packed_num_buffers,
-            self.packed_min_bucket_bytes,
-        )
 
 
 class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
@@ -111,7 +95,7 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
         """Rank 0: rendezvous with every worker (their init runs concurrently)."""
         if source is None:
             raise ValueError("the nccl backend is full-resync: trainer_init needs a WeightSource")
-        init_info.wire.validate("NCCLTrainerInitInfo")
+        init_info.validate("NCCLTrainerInitInfo")
         group = None
         if init_info.is_sender:
             payload = payload_of(
