@@ -180,8 +180,8 @@ def sparse_served(
 
 
 def test_provider_is_for_vllm_only(sparse_served: SparseServed) -> None:
-    from weight_transfer.vllm.sparse import MirrorPatcher, vllm_patcher
     from wt_sparse_nccl import InPlacePatcher, patcher_for
+    from wt_sparse_nccl.vllm_patcher import MirrorPatcher, vllm_patcher
 
     worker = sparse_served.worker
     model = worker.get_model()
@@ -191,7 +191,7 @@ def test_provider_is_for_vllm_only(sparse_served: SparseServed) -> None:
 
 
 def test_three_rounds_match_fresh_engines(sparse_served: SparseServed) -> None:
-    from weight_transfer.vllm.sparse import mirror_of
+    from wt_sparse_nccl.vllm_patcher import mirror_of
 
     s = sparse_served
     before = generate(s.llm)

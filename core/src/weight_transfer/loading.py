@@ -81,7 +81,8 @@ def register_loader_provider(provider: LoaderProvider) -> None:
     _providers.insert(0, provider)
 
 
-def _is_vllm_config(vllm_config: Any) -> bool:
+def is_vllm_config(vllm_config: Any) -> bool:
+    """Whether `vllm_config` is a `vllm.config.VllmConfig` (never imports vllm)."""
     config_module = sys.modules.get("vllm.config")
     vllm_config_cls = getattr(config_module, "VllmConfig", None)
     return vllm_config_cls is not None and isinstance(vllm_config, vllm_config_cls)
@@ -95,7 +96,7 @@ def loader_for(model: torch.nn.Module, vllm_config: Any, model_config: Any = Non
         loader = provider(model, vllm_config)
         if loader is not None:
             return loader
-    if _is_vllm_config(vllm_config):
+    if is_vllm_config(vllm_config):
         from weight_transfer.vllm.loader import VLLMLoader
 
         return VLLMLoader(model, vllm_config, model_config)

@@ -28,6 +28,7 @@ __all__ = [
     "layerwise_groups",
     "materialize_full_tensor",
     "checked_iteration",
+    "layer_key",
 ]
 
 
@@ -51,7 +52,7 @@ class ParamMeta:
         return self.numel * self.dtype.itemsize
 
 
-def _layer_key(name: str) -> tuple[str, int] | None:
+def layer_key(name: str) -> tuple[str, int] | None:
     """`(prefix, index)` of the outermost all-digit dotted segment, or None."""
     parts = name.split(".")
     for i, part in enumerate(parts):
@@ -78,7 +79,7 @@ def layerwise_groups(names: Iterable[str]) -> list[list[str]]:
     current: tuple[str, int] | None = None
     started = False
     for name in names:
-        key = _layer_key(name)
+        key = layer_key(name)
         if not started or key != current:
             if current is not None:
                 closed.add(current)

@@ -13,13 +13,15 @@ vllm_config)`:
 
 1. a provider registered with `register_patcher_provider` (a host that knows
    its model, e.g. one holding processed or sharded tensors), newest first;
-2. `MethodPatcher` when the model defines `apply_sparse_patch`;
-3. `InPlacePatcher`: the model's `named_parameters()` carry the HF names and
+2. inside vLLM (`vllm_config` is a `VllmConfig`), `wt_sparse_nccl.vllm_patcher`
+   (imported only then);
+3. `MethodPatcher` when the model defines `apply_sparse_patch`;
+4. `InPlacePatcher`: the model's `named_parameters()` carry the HF names and
    full shapes, and entries are written into them in place.
 
 With `MethodPatcher` and `InPlacePatcher`, start and finish run no layerwise
 reload: parameters are patched where they live. A provider's patcher may defer
-the model change to `commit` (inside vLLM, `weight_transfer.vllm.sparse`
+the model change to `commit` (inside vLLM, `wt_sparse_nccl.vllm_patcher`
 reloads the touched layers there). No draft-model updates.
 """
 
@@ -32,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from weight_transfer.base import WeightTransferEngine
+from weight_transfer.loading import is_vllm_config
 from weight_transfer.transport.group import StatelessGroup
 from weight_transfer.transport.rendezvous import join_group
 from wt_sparse_nccl.patch import SparseWeightPatch, check_indices
@@ -186,6 +189,12 @@ def patcher_for(model: torch.nn.Module, vllm_config: Any) -> SparsePatcher:
         patcher = provider(model, vllm_config)
         if patcher is not None:
             return patcher
+    if is_vllm_config(vllm_config):
+        from wt_sparse_nccl.vllm_patcher import vllm_patcher
+
+        found = vllm_patcher(model, vllm_config)
+        if found is not None:
+            return found
     if callable(getattr(model, "apply_sparse_patch", None)):
         return MethodPatcher(model)
     return InPlacePatcher(model)

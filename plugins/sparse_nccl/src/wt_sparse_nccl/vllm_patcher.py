@@ -50,9 +50,8 @@ layer group. Secondary weight sources and draft models are not mirrored.
 Changes made to the model by other paths (another reload, sleep level 2) are
 not seen by the mirror.
 
-`install_if_loaded()` registers the patcher provider with `wt_sparse_nccl`
-when that package's worker module is imported; the bridge calls it when vLLM
-creates a wt engine. Nothing here imports `wt_sparse_nccl` itself.
+`wt_sparse_nccl.worker` asks `vllm_patcher` first when the engine's
+`vllm_config` is a vLLM config; this module (and vllm) is imported only then.
 """
 
 from __future__ import annotations
@@ -60,7 +59,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -68,14 +66,13 @@ from typing import Any
 
 import torch
 
-from weight_transfer.loading import _is_vllm_config, loader_for
-from weight_transfer.source import _layer_key, layerwise_groups
+from weight_transfer.loading import is_vllm_config, loader_for
+from weight_transfer.source import layer_key, layerwise_groups
 
-__all__ = ["CheckpointMirror", "MirrorPatcher", "install_if_loaded", "vllm_patcher"]
+__all__ = ["CheckpointMirror", "MirrorPatcher", "vllm_patcher"]
 
 logger = logging.getLogger("weight_transfer.vllm")
 
-SPARSE_WORKER_MODULE = "wt_sparse_nccl.worker"
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 _SAFETENSORS_DTYPES = {
@@ -109,7 +106,7 @@ def _stamp(path: str) -> tuple[int, int]:
 
 
 def _group_order(name: str) -> tuple[int, str, int]:
-    key = _layer_key(name)
+    key = layer_key(name)
     return (0, "", 0) if key is None else (1, key[0], key[1])
 
 
@@ -391,27 +388,8 @@ def vllm_patcher(model: torch.nn.Module, vllm_config: Any) -> MirrorPatcher | No
 
     A model with its own `apply_sparse_patch` is left to `wt_sparse_nccl`'s `MethodPatcher`.
     """
-    if not _is_vllm_config(vllm_config):
+    if not is_vllm_config(vllm_config):
         return None
     if callable(getattr(model, "apply_sparse_patch", None)):
         return None
     return MirrorPatcher(model, vllm_config)
-
-
-_installed = False
-
-
-def install_if_loaded() -> bool:
-    """Register `vllm_patcher` with `wt_sparse_nccl` once, if its worker module is imported.
-
-    Returns whether the provider is registered.
-    """
-    global _installed
-    if _installed:
-        return True
-    worker = sys.modules.get(SPARSE_WORKER_MODULE)
-    if worker is None:
-        return False
-    worker.register_patcher_provider(vllm_patcher)
-    _installed = True
-    return True
