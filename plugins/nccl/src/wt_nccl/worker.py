@@ -144,9 +144,14 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
                     continue
                 failure = failure or _error_of(fut, group.timeout_s)
         finally:
-            # Never wait here: a stuck load must not hold the worker (the loader's
-            # abort serializes with a load still running).
-            pool.shutdown(wait=False, cancel_futures=True)
+            # Queued loads never start; a running one is waited for (bounded), so
+            # the round's rollback cannot race with it.
+            for fut in loads:
+                fut.cancel()
+            for fut in loads:
+                if not fut.cancelled():
+                    _error_of(fut, group.timeout_s)
+            pool.shutdown(wait=False)
         if failure is not None:
             raise _LoadFailed(f"loading the received weights failed: {failure}") from failure
 
