@@ -20,9 +20,11 @@ Results go to stdout and `--out` (JSON).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = TinyLlamaSpec.large(num_hidden_layers=args.layers)
     work = tempfile.mkdtemp(prefix="wt-bench-")
+    atexit.register(shutil.rmtree, work, True)  # the checkpoints are scratch
     served_dir = build_tiny_llama(os.path.join(work, "served"), seed=0, spec=spec)
     targets = [tiny_llama(spec, seed=s) for s in (1, 2)]
     nbytes = sum(p.numel() * p.element_size() for p in targets[0].parameters())

@@ -30,9 +30,11 @@ filled from its dataclass fields: `master_address`/`master_port`/`world_size`
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -229,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
     vllm_device, trainer_device = pick_devices(args.trainer_device)
     spec = TinyLlamaSpec.large() if args.size == "large" else TinyLlamaSpec()
     scratch = tempfile.mkdtemp(prefix="wt-demo-")
+    atexit.register(shutil.rmtree, scratch, True)  # the checkpoints are scratch
     t0 = time.perf_counter()
     model_dir = build_tiny_llama(os.path.join(scratch, "model"), seed=args.seed, spec=spec)
     print(
