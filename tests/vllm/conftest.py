@@ -81,9 +81,13 @@ def sampling_params() -> Any:
 
 def generate(llm: Any, prompts: list[str] = PROMPTS) -> Outputs:
     """Greedy tokens and logprobs of `llm` for `prompts`."""
-    outs = llm.generate(prompts, sampling_params(), use_tqdm=False)
+    return outputs_of(llm.generate(prompts, sampling_params(), use_tqdm=False))
+
+
+def outputs_of(request_outputs: list[Any]) -> Outputs:
+    """`Outputs` of vLLM `RequestOutput`s."""
     result: Outputs = []
-    for out in outs:
+    for out in request_outputs:
         completion = out.outputs[0]
         logprobs = [
             sorted((tid, lp.logprob) for tid, lp in position.items())

@@ -30,6 +30,7 @@ from tests.vllm.conftest import (
     VersionedClient,
     connect,
     hf_model,
+    outputs_of,
     require_backend,
     sampling_params,
 )
@@ -46,18 +47,6 @@ ACTOR_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_LOGGING_LEVEL": "WARNING",
 }
-
-
-def outputs_of(request_outputs: list[Any]) -> Outputs:
-    result: Outputs = []
-    for out in request_outputs:
-        completion = out.outputs[0]
-        logprobs = [
-            sorted((tid, lp.logprob) for tid, lp in position.items())
-            for position in completion.logprobs
-        ]
-        result.append((list(completion.token_ids), logprobs))
-    return result
 
 
 @pytest.fixture(scope="module")
