@@ -29,14 +29,16 @@ CORE = "./core"
 PLUGINS = ["./plugins/nccl", "./plugins/sparse_nccl"]
 SKELETONS = ["./plugins/ipc", "./plugins/sharded_rdt"]  # packaging only, no engines yet
 EXAMPLE = "./examples/wt-example"
-DISTRIBUTIONS = [CORE, *PLUGINS, EXAMPLE]
+TOOLS = "./tools"  # demo, bench, tiny-model builder: applications, not core
+DISTRIBUTIONS = [CORE, *PLUGINS, EXAMPLE, TOOLS]
 SOURCES = [
     "core/src/weight_transfer",
     "plugins/nccl/src/wt_nccl",
     "plugins/sparse_nccl/src/wt_sparse_nccl",
     "examples/wt-example/src/wt_example",
+    "tools/src/wt_tools",
 ]
-TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "httpx>=0.27", RAY, "numpy"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "httpx>=0.27", RAY, "numpy", "hatchling>=1.21"]
 
 
 def has_cuda() -> bool:
@@ -116,11 +118,11 @@ def wheels(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: a real trainer -> vLLM weight sync on this machine (GPU if present)."""
     install_stack(session)
-    session.run("python", "-m", "weight_transfer.vllm.demo", *session.posargs)
+    session.run("wt", "demo", *session.posargs)
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
     """Sync speed against vLLM's own load from memory and against save-and-reload."""
     install_stack(session)
-    session.run("python", "-m", "weight_transfer.vllm.bench", *session.posargs)
+    session.run("wt", "bench", *session.posargs)

@@ -109,6 +109,7 @@ class WorkerSpec:
     env: dict[str, str] = field(default_factory=dict)
     model_factory: str | None = None
     device: str = "cpu"
+    sys_path: list[str] = field(default_factory=list)
 
 
 def _make_model(spec: WorkerSpec) -> Any:
@@ -122,6 +123,9 @@ def _make_model(spec: WorkerSpec) -> Any:
 
 
 def _serve(spec: WorkerSpec, ready: Any) -> None:
+    import sys
+
+    sys.path[:0] = spec.sys_path
     os.environ.update(spec.env)
     torch.set_num_threads(1)
     from weight_transfer import (
@@ -278,6 +282,7 @@ class WorkerPool:
         start_timeout_s: float = 120.0,
         model_factory: str | None = None,
         devices: list[str] | None = None,
+        sys_path: list[str] | None = None,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.processes: list[Any] = []
@@ -294,6 +299,7 @@ class WorkerPool:
                 load_delay_s,
                 model_factory=model_factory,
                 device=devices[rank] if devices else "cpu",
+                sys_path=list(sys_path or []),
             )
             p = ctx.Process(target=_serve, args=(spec, child), daemon=True)
             p.start()

@@ -1,6 +1,8 @@
 """Run inside a fresh venv by `nox -s wheels`: argv[1] is the comma-separated set of
 backends both factories must find (empty for wt-core alone)."""
 
+import importlib
+import pkgutil
 import sys
 
 import weight_transfer
@@ -9,6 +11,11 @@ from weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFa
 expected = {b for b in sys.argv[1].split(",") if b}
 heavy = {"vllm", "ray", "httpx"} & set(sys.modules)
 assert not heavy, f"import weight_transfer imported {heavy}"
+# Core holds no application and imports no plugin: every module imports alone.
+for module in pkgutil.walk_packages(weight_transfer.__path__, "weight_transfer."):
+    importlib.import_module(module.name)
+plugins = sorted(m for m in sys.modules if m.startswith("wt_"))
+assert not plugins, f"wt-core's modules imported {plugins}"
 for factory in (WeightTransferTrainerFactory, WeightTransferEngineFactory):
     found = factory.available_backends()
     assert set(found) == expected, (

@@ -42,10 +42,11 @@ class EchoUpdateInfo(WeightTransferUpdateInfo):
 
 
 class EchoEngine(WeightTransferEngine[EchoInitInfo, EchoUpdateInfo]):
-    """Writes `values[i]` into parameter `names[i]` (filled) through the transactional loader.
+    """Writes `values[i]` into parameter `names[i]` (filled) through the round's loader.
 
     Records every lifecycle call in `calls`; `fail=True` raises inside
-    `receive_weights` after loading, so an abort has something to undo.
+    `receive_weights` after loading, so an abort has something to undo. It
+    never touches its loader's begin / commit / abort: the base class does.
     """
 
     init_info_cls = EchoInitInfo
@@ -55,7 +56,6 @@ class EchoEngine(WeightTransferEngine[EchoInitInfo, EchoUpdateInfo]):
         super().__init__(*args, **kwargs)
         self.calls: list[str] = []
         self.endpoint: str | None = None
-        self.loader: Any = None
         self.received: list[EchoUpdateInfo] = []
         self.fail_finish = False
 
@@ -65,8 +65,6 @@ class EchoEngine(WeightTransferEngine[EchoInitInfo, EchoUpdateInfo]):
 
     def start_weight_update(self) -> None:
         self.calls.append("start")
-        self.loader = self.new_loader()
-        self.loader.begin()
 
     def receive_weights(self, update_info: EchoUpdateInfo) -> None:
         self.calls.append("receive")
@@ -84,14 +82,9 @@ class EchoEngine(WeightTransferEngine[EchoInitInfo, EchoUpdateInfo]):
         self.calls.append("finish")
         if self.fail_finish:
             raise RuntimeError("EchoEngine: finish failed")
-        self.loader.commit()
-        self.loader = None
 
     def abort_weight_update(self) -> None:
         self.calls.append("abort")
-        if self.loader is not None:
-            self.loader.abort()
-            self.loader = None
 
     def shutdown(self) -> None:
         self.calls.append("shutdown")
@@ -167,6 +160,24 @@ class ExampleNet(torch.nn.Module):
                     p.mul_(-1.25).add_(0.5 * step)
                 else:
                     p.add_(step)
+
+
+class LoadingNet(ExampleNet):
+    """`ExampleNet` whose `load_weights` copies by name and raises `KeyError` on an
+    unknown name, after copying the names before it (a half-applied batch)."""
+
+    def load_weights(self, weights: Any) -> set[str]:
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in params:
+                    raise KeyError(f"LoadingNet has no parameter named {name!r}")
+                params[name].copy_(tensor)
+        return set(params)
+
+
+def loading_net() -> LoadingNet:
+    return LoadingNet(seed=0)
 
 
 def expected_digests(module: torch.nn.Module) -> dict[str, str]:

@@ -107,28 +107,60 @@ def test_http_client_speaks_the_four_routes(server: Server) -> None:
     client.finish_weight_update(weight_version="step-42")
     assert server.seen == [
         ("POST", "/init_weight_transfer_engine", {"init_info": init}),
+        ("POST", "/pause?mode=keep", None),
         ("POST", "/start_weight_update", None),
         ("POST", "/update_weights", {"update_info": update}),
         ("POST", "/finish_weight_update", None),
         ("POST", "/reset_prefix_cache", None),
+        ("POST", "/resume", None),
+        ("POST", "/pause?mode=keep", None),
         ("POST", "/start_weight_update", None),
         ("POST", "/update_weights", {"update_info": {"names": []}}),
         ("POST", "/finish_weight_update", {"weight_version": "step-42"}),
         ("POST", "/reset_prefix_cache", None),
+        ("POST", "/resume", None),
     ]
     HTTPVLLMWeightSyncClient(
-        server.url, timeout=10, reset_prefix_cache=False
+        server.url, timeout=10, reset_prefix_cache=False, pause=None
     ).finish_weight_update()
     assert server.seen[-1] == ("POST", "/finish_weight_update", None)
     assert client.weight_version() == "step-42"
+    server.seen.clear()
     client.start_draft_weight_update()
     client.shutdown_weight_transfer_engine()
-    assert [s[1] for s in server.seen[-3:]] == [
-        "/weight_info",
+    assert [s[1] for s in server.seen] == [
+        "/pause?mode=keep",
         "/start_draft_weight_update",
         "/shutdown_weight_transfer_engine",
     ]
     client.close()
+
+
+@pytest.mark.parametrize("mode", ["wait", "abort"])
+def test_http_client_resumes_after_every_round_that_the_workers_closed(
+    server: Server, mode: str
+) -> None:
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=10, pause=mode)  # type: ignore[arg-type]
+    server.answers["/update_weights"] = (500, b'{"error": "bad name"}')
+    client.start_weight_update()
+    with pytest.raises(WeightSyncRPCError, match="bad name"):
+        client.update_weights({"names": ["x"]})
+    server.answers["/start_weight_update"] = (500, b'{"error": "already active"}')
+    with pytest.raises(WeightSyncRPCError, match="already active"):
+        client.start_weight_update()
+    del server.answers["/start_weight_update"]
+    server.answers["/finish_weight_update"] = (500, b'{"error": "finalize failed"}')
+    client.start_weight_update()
+    with pytest.raises(WeightSyncRPCError, match="finalize failed"):
+        client.finish_weight_update()
+    routes = [s[1] for s in server.seen]
+    assert routes == [
+        f"/pause?mode={mode}", "/start_weight_update", "/update_weights", "/resume",
+        f"/pause?mode={mode}", "/start_weight_update", "/resume",
+        f"/pause?mode={mode}", "/start_weight_update", "/finish_weight_update", "/resume",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="pause must be one of keep, wait, abort or None"):
+        HTTPVLLMWeightSyncClient(server.url, pause="later")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

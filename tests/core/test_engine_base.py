@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from tests.core.helpers import EchoEngine, TinyModel
+from tests.core.helpers import EchoEngine, EchoInitInfo, TinyModel
 from weight_transfer import (
     TrainerInitInfo,
     WeightTransferConfig,
@@ -24,6 +24,7 @@ from weight_transfer.position import worker_position
 from weight_transfer.transport.wire import (
     WIRE_PROTOCOL_VERSION,
     ProtocolMismatchError,
+    WireProtocolInfo,
     check_wire_protocol,
 )
 
@@ -75,18 +76,28 @@ def _engine(vllm_config: Any = None, device: str = "cpu") -> EchoEngine:
     return EchoEngine(WeightTransferConfig("echo"), vllm_config, device, TinyModel())
 
 
+@dataclasses.dataclass
+class _WiredInfo(WireProtocolInfo, EchoInitInfo):
+    """An init info that declares core's wire protocol."""
+
+
+class _WiredEngine(EchoEngine):
+    init_info_cls = _WiredInfo
+
+
+def _wired() -> EchoEngine:
+    return _WiredEngine(WeightTransferConfig("echo"), None, "cpu", TinyModel())
+
+
 def _init(**extra: Any) -> dict[str, Any]:
     return {"wire_protocol": WIRE_PROTOCOL_VERSION, "endpoint": "tcp://127.0.0.1:1", **extra}
 
 
 def test_parse_init_info_builds_the_typed_dataclass() -> None:
     info = _engine().parse_init_info(_init(chunk_bytes=64, labels={"a": 1}))
-    assert (info.endpoint, info.chunk_bytes, info.labels, info.wire_protocol) == (
-        "tcp://127.0.0.1:1",
-        64,
-        {"a": 1},
-        WIRE_PROTOCOL_VERSION,
-    )
+    assert (info.endpoint, info.chunk_bytes, info.labels) == ("tcp://127.0.0.1:1", 64, {"a": 1})
+    wired = _wired().parse_init_info(_init())
+    assert wired.wire_protocol == WIRE_PROTOCOL_VERSION
 
 
 @pytest.mark.parametrize(
@@ -109,17 +120,29 @@ def test_unknown_field_message_lists_accepted_fields() -> None:
         _engine().parse_init_info(_init(bogus=1))
 
 
-def test_wire_protocol_missing() -> None:
+def test_wire_protocol_missing_where_the_init_info_declares_it() -> None:
     with pytest.raises(ProtocolMismatchError, match=r"missing field 'wire_protocol'") as err:
-        _engine().parse_init_info({"endpoint": "e"})
+        _wired().parse_init_info({"endpoint": "e"})
     assert isinstance(err.value, ValueError)
+    assert "uses wt-core's shared layout and codec" in str(err.value)
     assert f"wt-core {__version__}" in str(err.value)
 
 
-def test_wire_protocol_different_version_names_both_and_says_to_align() -> None:
+def test_an_init_info_without_the_declaration_parses_spec_style_payloads() -> None:
+    # a trainer written against the spec alone ships only its own fields
+    info = _engine().parse_init_info({"endpoint": "e", "chunk_bytes": 8})
+    assert (info.endpoint, info.chunk_bytes) == ("e", 8)
+    # a version that arrives anyway is still checked, then dropped
+    assert _engine().parse_init_info(_init()).endpoint == "tcp://127.0.0.1:1"
+    with pytest.raises(ProtocolMismatchError, match="trainer speaks wire protocol 7"):
+        _engine().parse_init_info(_init(wire_protocol=7))
+
+
+@pytest.mark.parametrize("make", [lambda: _engine(), lambda: _wired()])
+def test_wire_protocol_different_version_names_both_and_says_to_align(make: Any) -> None:
     other = WIRE_PROTOCOL_VERSION + 41
     with pytest.raises(ValueError) as err:
-        _engine().parse_init_info(_init(wire_protocol=other))
+        make().parse_init_info(_init(wire_protocol=other))
     msg = str(err.value)
     assert f"trainer speaks wire protocol {other}" in msg
     assert f"this worker speaks {WIRE_PROTOCOL_VERSION}" in msg
@@ -130,7 +153,7 @@ def test_wire_protocol_different_version_names_both_and_says_to_align() -> None:
 def test_wire_protocol_is_checked_before_fields() -> None:
     # a mismatched trainer's unknown fields must not mask the real cause
     with pytest.raises(ProtocolMismatchError):
-        _engine().parse_init_info({"wire_protocol": 999, "some_new_field": 1})
+        _wired().parse_init_info({"wire_protocol": 999, "some_new_field": 1})
     check_wire_protocol({"wire_protocol": WIRE_PROTOCOL_VERSION})
 
 
@@ -279,3 +302,86 @@ def test_loader_provider_is_tried_first(monkeypatch: pytest.MonkeyPatch) -> None
     loading.register_loader_provider(lambda model, cfg: sentinel if cfg == "mine" else None)
     assert loader_for(TinyModel(), "mine") is sentinel
     assert loader_for(TinyModel(), None) is not sentinel
+
+
+# ------------------------------------------------------- the base's transaction
+
+
+class _Plain(torch.nn.Module):
+    """A plain module: parameters, no `load_weights`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(2, 3))
+        self.b = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+
+
+def test_direct_loader_copies_into_a_plain_module_by_name() -> None:
+    model = _Plain()
+    loader = loader_for(model, None)
+    loader.begin()
+    loader.load([("w", torch.ones(2, 3)), ("b", torch.full((3,), 2.0, dtype=torch.bfloat16))])
+    loader.commit()
+    assert torch.equal(model.w, torch.ones(2, 3)) and torch.equal(
+        model.b.float(), torch.full((3,), 2.0)
+    )
+    loader.begin()
+    with pytest.raises(
+        ValueError,
+        match=r"'b': received torch.float32 \[3\], the parameter is torch.bfloat16 \[3\]",
+    ):
+        loader.load([("w", torch.zeros(2, 3)), ("b", torch.zeros(3))])
+    with pytest.raises(KeyError, match="no parameter named 'c'"):
+        loader.load([("c", torch.zeros(1))])
+    loader.abort()
+    assert torch.equal(model.w, torch.ones(2, 3))  # the half-applied batch is undone
+
+
+def test_a_module_that_cannot_be_loaded_is_refused_at_start() -> None:
+    engine = EchoEngine(WeightTransferConfig("echo"), None, "cpu", torch.nn.ReLU())
+    with pytest.raises(TypeError, match="ReLU has neither load_weights.*nor parameters"):
+        engine.start_weight_update()
+    assert not engine.round_open
+
+
+def test_a_failing_finish_rolls_back_and_closes_the_round() -> None:
+    engine = _engine()
+    engine.fail_finish = True
+    engine.start_weight_update()
+    engine.update_weights({"names": ["a"], "values": [5.0]})
+    with pytest.raises(RuntimeError, match="finish failed"):
+        engine.finish_weight_update()
+    assert torch.equal(engine.model.a, torch.zeros(3))
+    assert not engine.round_open and engine.calls[-1] == "abort"
+
+
+def test_a_subclass_calling_super_runs_inside_one_transaction() -> None:
+    class Layered(EchoEngine):
+        def start_weight_update(self) -> None:
+            super().start_weight_update()
+            self.calls.append("layered-start")
+
+        def finish_weight_update(self) -> None:
+            self.calls.append("layered-finish")
+            super().finish_weight_update()
+
+    engine = Layered(WeightTransferConfig("echo"), None, "cpu", TinyModel())
+    engine.start_weight_update()
+    engine.update_weights({"names": ["a"], "values": [1.0]})
+    engine.finish_weight_update()
+    assert engine.calls == ["start", "layered-start", "receive", "layered-finish", "finish"]
+    assert torch.equal(engine.model.a, torch.ones(3)) and not engine.round_open
+
+
+def test_a_start_over_an_open_round_rolls_the_old_one_back() -> None:
+    # vLLM's worker closes its round when update_weights fails before the engine
+    # is called (a per-worker list it cannot index); the engine never heard.
+    engine = _engine()
+    engine.start_weight_update()
+    engine.loader.load([("a", torch.full((3,), 9.0))])
+    engine.start_weight_update()
+    assert torch.equal(engine.model.a, torch.zeros(3))
+    engine.update_weights({"names": ["b"], "values": [2.0]})
+    engine.finish_weight_update()
+    assert torch.equal(engine.model.a, torch.zeros(3))
+    assert torch.equal(engine.model.b, torch.full((2, 2), 2.0))

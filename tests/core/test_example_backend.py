@@ -73,7 +73,9 @@ def test_three_rounds_move_mixed_dtype_weights_bit_exactly(
         if previous is not None:
             assert all(expected[n] != previous[n] for n in NAMES), "weights did not change"
         previous = expected
-    assert os.listdir(tmp_path / "xfer") == []  # round files are cleaned up
+    assert os.listdir(tmp_path / "xfer") == ["round-3.pt"]  # each round replaces the last
+    engine.shutdown()
+    assert os.listdir(tmp_path / "xfer") == []
 
 
 def test_non_sender_rank_iterates_but_does_not_touch_the_wire(
@@ -117,4 +119,5 @@ def test_a_failing_worker_raises_naming_the_worker(tmp_path: Path) -> None:
             "worker 1: ValueError: RecordingModel has no parameter named 'layers.0.weight'"
             in str(err.value)
         )
+        engine.shutdown()
         assert os.listdir(tmp_path) == []

@@ -170,8 +170,9 @@ def test_failed_sync_reports_the_error(tmp_path: Path) -> None:
         engine = _trainer(failing.client(), ExampleNet(seed=6), tmp_path)
         with pytest.raises(WeightSyncRPCError) as err:
             engine.send_weights()
-    assert [e for e, _ in recorder.events] == ["started", "failed"]
-    failed = recorder.events[1][1]
+    # the file left the sender before the worker refused it
+    assert [e for e, _ in recorder.events] == ["started", "chunk", "failed"]
+    failed = recorder.events[2][1]
     assert failed["error"] is err.value
     assert (failed["backend"], failed["sync_id"]) == ("example_file", 1)
 
@@ -234,3 +235,64 @@ def test_entry_point_hook_plugins_are_loaded(make_dist: MakeDist, unique: str) -
         ("finished", 7, "v7"),
         ("failed", 8, "'lost'"),
     ]
+
+
+class _Wrapping:
+    @hookimpl(wrapper=True)
+    def wt_sync_started(self) -> Any:
+        return (yield)
+
+
+class _OldWrapping:
+    @hookimpl(hookwrapper=True)
+    def wt_sync_finished(self) -> Any:
+        yield
+
+
+@pytest.mark.parametrize("plugin_cls", [_Wrapping, _OldWrapping])
+def test_a_wrapper_hook_is_refused_naming_it(plugin_cls: type) -> None:
+    plugin = plugin_cls()
+    with pytest.raises(ValueError, match=r"hook wt_sync_\w+ of .* is a wrapper"):
+        register_hooks(plugin, name="wrapping")
+    assert plugin_manager().get_plugin("wrapping") is None  # nothing stays registered
+
+
+WRAPPER_PLUGIN_SRC = """
+from weight_transfer.hookspecs import hookimpl
+
+
+@hookimpl(wrapper=True)
+def wt_sync_failed(error):
+    return (yield)
+"""
+
+
+def test_a_wrapper_hook_from_an_entry_point_is_refused(make_dist: MakeDist, unique: str) -> None:
+    module = f"wt_tmp_{unique}_wrap"
+    make_dist(
+        "wt-wrap-plugin",
+        "0.1",
+        entry_points={"weight_transfer.hooks": {f"wrap_{unique}": module}},
+        modules={module: WRAPPER_PLUGIN_SRC},
+    )
+    with pytest.raises(ValueError, match=rf"wt_sync_failed of 'wrap_{unique}' is a wrapper"):
+        plugin_manager()
+
+
+def test_tracker_finish_and_fail_are_explicit_and_end_it_once() -> None:
+    recorder = Recorder()
+    register_hooks(recorder)
+    from weight_transfer.hooks import SyncTracker
+
+    tracker = SyncTracker("probe", 3, num_params=1, total_bytes=8, num_chunks=1)
+    tracker.started()
+    tracker.weight_version = "v3"
+    tracker.finish()
+    tracker.fail(RuntimeError("too late"))  # ignored: the round already ended
+    tracker.finish()
+    failing = SyncTracker("probe", 4, num_params=1, total_bytes=8, num_chunks=1)
+    failing.fail(RuntimeError("lost"))
+    failing.finish()
+    kinds = [(e, d.get("sync_id")) for e, d in recorder.events]
+    assert kinds == [("started", 3), ("finished", 3), ("failed", 4)]
+    assert recorder.events[1][1]["weight_version"] == "v3"

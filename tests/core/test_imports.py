@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import weight_transfer
 
@@ -53,3 +54,47 @@ def test_public_api() -> None:
     assert expected <= set(weight_transfer.__all__)
     for name in weight_transfer.__all__:
         assert getattr(weight_transfer, name) is not None
+
+
+def test_core_imports_no_plugin_and_holds_no_application() -> None:
+    proc = _fresh(
+        "import importlib, pkgutil, sys, weight_transfer as wt\n"
+        "names = [m.name for m in pkgutil.walk_packages(wt.__path__, 'weight_transfer.')]\n"
+        "for name in names: importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('wt_')))\n"
+        "apps = ('demo', 'bench', 'tiny_model')\n"
+        "print(sorted(n for n in names if n.rsplit('.', 1)[-1] in apps))\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["[]", "[]"]
+
+
+def test_backend_module_is_the_authoring_surface() -> None:
+    from weight_transfer import backend
+
+    # every name a backend distribution uses from core is public here
+    for name in (
+        "ResyncTrainerEngine",
+        "ParamListUpdateInfo",
+        "SendWindow",
+        "LoadPipeline",
+        "GroupChannel",
+        "is_vllm_config",
+        "UpdatePayload",
+        "checked_iteration",
+        "track_sync",
+        "DirectLoader",
+        "WireProtocolInfo",
+        "dtype_from_name",
+    ):
+        assert name in backend.__all__, name
+        assert getattr(backend, name) is not None
+    plugins = Path(__file__).parents[2]
+    sources = [*plugins.glob("plugins/*/src/*/*.py"), *plugins.glob("examples/*/src/*/*.py")]
+    assert sources
+    for path in sources:
+        for line in path.read_text().splitlines():
+            if line.lstrip().startswith(("from weight_transfer", "import weight_transfer")):
+                assert line.lstrip().startswith("from weight_transfer.backend import"), (
+                    f"{path.name}: {line.strip()}"
+                )

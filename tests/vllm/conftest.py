@@ -114,7 +114,7 @@ class TinyDirs:
 
     def __getitem__(self, seed: int) -> str:
         if seed not in self._dirs:
-            from weight_transfer.vllm.tiny_model import build_tiny_llama
+            from wt_tools.tiny_model import build_tiny_llama
 
             self._dirs[seed] = build_tiny_llama(os.path.join(self.root, f"seed{seed}"), seed=seed)
         return self._dirs[seed]
@@ -132,7 +132,7 @@ _models: dict[int, torch.nn.Module] = {}
 def hf_model(seed: int) -> torch.nn.Module:
     """The transformers model whose checkpoint is `tiny_dirs[seed]` (same weights)."""
     if seed not in _models:
-        from weight_transfer.vllm.tiny_model import tiny_llama
+        from wt_tools.tiny_model import tiny_llama
 
         _models[seed] = tiny_llama(seed=seed)
     return _models[seed]

@@ -1,4 +1,4 @@
-"""`python -m weight_transfer.vllm.demo`: train, sync, verify; and its check has teeth."""
+"""`python -m wt_tools.demo`: train, sync, verify; and its check has teeth."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 
 
 def test_compare_rejects_wrong_tokens_and_logprobs() -> None:
-    from weight_transfer.vllm.demo import PROMPTS, compare
-    from weight_transfer.vllm.tiny_model import tiny_llama
+    from wt_tools.demo import PROMPTS, compare
+    from wt_tools.tiny_model import tiny_llama
 
     model = tiny_llama(seed=5)
     truth = []
@@ -46,7 +46,7 @@ def test_demo_runs_and_verifies() -> None:
         pytest.skip("wt-nccl is not installed")
     env = dict(os.environ)
     proc = subprocess.run(
-        [sys.executable, "-m", "weight_transfer.vllm.demo", "--steps", "2"],
+        [sys.executable, "-m", "wt_tools.demo", "--steps", "2"],
         capture_output=True,
         text=True,
         timeout=280,

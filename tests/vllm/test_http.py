@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -273,6 +274,11 @@ def test_http_dead_trainer_keeps_previous_weights(
         dead.kill()
         dead.wait(10)
 
+    # The dead trainer's client paused generation. The engine core runs the
+    # workers' update_weights, which rolls back once the group breaks, before it
+    # takes the resume; an operator (or the next round) resumes.
+    assert http.is_paused()
+    http.resume_generation()
     assert server.generate() == references.outputs(2)
     assert server.weight_version() == "before-dead-trainer"
 
@@ -283,6 +289,99 @@ def test_http_dead_trainer_keeps_previous_weights(
         trainer.send_weights()
         assert server.generate() == references.outputs(3)
         assert server.weight_version() == "after-dead-trainer"
+    finally:
+        trainer.shutdown()
+        http.close()
+
+
+class Traffic:
+    """A steady stream of streamed completions at the server from one thread.
+
+    Every request must return HTTP 200 and stream all `MAX_TOKENS` tokens
+    (finish reason "length", usage counted by the server); anything else is
+    recorded in `failures`. Bounded: it stops when told, after
+    `max_requests`, or after `max_s`.
+    """
+
+    def __init__(self, server: Server, max_requests: int = 2000, max_s: float = 240.0) -> None:
+        self.server = server
+        self.max_requests = max_requests
+        self.max_s = max_s
+        self.done = 0
+        self.failures: list[str] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="completions", daemon=True)
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join(120)
+        assert not self._thread.is_alive(), "the completion stream did not stop"
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.max_s
+        with httpx.Client(base_url=self.server.url, timeout=120.0) as http:
+            while not self._stop and self.done < self.max_requests and time.monotonic() < deadline:
+                body = {
+                    "model": self.server.model_dir,
+                    "prompt": PROMPTS[self.done % len(PROMPTS)],
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                try:
+                    finish, usage = None, None
+                    with http.stream("POST", "/v1/completions", json=body) as response:
+                        if response.status_code != 200:
+                            response.read()
+                            self.failures.append(f"HTTP {response.status_code}: {response.text}")
+                            continue
+                        for line in response.iter_lines():
+                            if not line.startswith("data: {"):
+                                continue
+                            chunk = json.loads(line.removeprefix("data: "))
+                            for choice in chunk.get("choices") or []:
+                                finish = choice.get("finish_reason") or finish
+                            usage = chunk.get("usage") or usage
+                    tokens = (usage or {}).get("completion_tokens")
+                    if finish != "length" or tokens != MAX_TOKENS:
+                        self.failures.append(f"finished with {finish!r} after {tokens} tokens")
+                except httpx.HTTPError as e:
+                    self.failures.append(f"{type(e).__name__}: {e}")
+                self.done += 1
+
+
+def test_http_twenty_syncs_under_a_steady_stream_of_completions(
+    server: Server, references: References, tmp_path: Any
+) -> None:
+    """Generation is paused around each round (vLLM's pause, mode "keep"), so no
+    request ever runs on a half-loaded model: none fails and the server stays up."""
+    http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    client = VersionedClient(http)
+    source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
+    trainer = connect(BACKEND, client, source, str(tmp_path))
+    seeds = [2 + i % 2 for i in range(20)]
+    try:
+        with Traffic(server) as traffic:
+            while traffic.done < 3 and not traffic.failures:  # the stream is flowing
+                time.sleep(0.05)
+            for round_, seed in enumerate(seeds, start=1):
+                source.inner = ModuleSource(hf_model(seed))
+                client.version = f"traffic-{round_}"
+                trainer.send_weights()
+                time.sleep(0.05)  # let a few requests run between rounds
+        print(f"{traffic.done} streamed completions during {len(seeds)} syncs")
+        assert traffic.failures == []
+        assert traffic.done >= 20, traffic.done
+        assert server.proc.poll() is None, "the server exited"
+        assert not http.is_paused()
+        assert server.generate() == references.outputs(seeds[-1])
+        assert server.weight_version() == f"traffic-{len(seeds)}"
     finally:
         trainer.shutdown()
         http.close()

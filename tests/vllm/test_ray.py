@@ -117,3 +117,75 @@ def test_ray_actor_sync(llm_actor: Any, references: References, tmp_path: Any) -
         assert generate(llm_actor) == references.outputs(2)
     finally:
         trainer.shutdown()
+
+
+def _async_llm_actor_class() -> type:
+    """vLLM's `AsyncLLM` as a Ray actor: its own methods, plus `complete` for the test.
+
+    Defined in a function so Ray ships the class by value to the actor.
+    """
+    import time
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    class AsyncLLMActor(AsyncLLM):  # type: ignore[misc]
+        def __init__(self, **engine_kwargs: Any) -> None:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.executor.abstract import Executor
+
+            config = AsyncEngineArgs(**engine_kwargs).create_engine_config()
+            super().__init__(
+                vllm_config=config, executor_class=Executor.get_class(config), log_stats=False
+            )
+
+        async def complete(self, prompts: list[str], params: Any) -> list[Any]:
+            outputs = []
+            for i, prompt in enumerate(prompts):
+                final = None
+                async for out in self.generate(prompt, params, request_id=f"{time.time_ns()}-{i}"):
+                    final = out
+                outputs.append(final)
+            return outputs
+
+    return AsyncLLMActor
+
+
+def test_ray_async_llm_actor_sync(
+    ray_cluster: Any, tiny_dirs: TinyDirs, references: References, tmp_path: Any
+) -> None:
+    """A real `AsyncLLM` reads `request.init_info` / `request.update_info`: the
+    client must send request objects, and it pauses through `pause_generation`."""
+    require_backend(BACKEND)
+    env = {k: v for k, v in ACTOR_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    actor_cls = ray_cluster.remote(num_cpus=1, runtime_env={"env_vars": env})(
+        _async_llm_actor_class()
+    )
+    actor = actor_cls.remote(
+        model=tiny_dirs[INITIAL_SEED],
+        weight_transfer_config={"backend": f"wt_{BACKEND}"},
+        **LLM_KWARGS,
+    )
+    try:
+        ray.get(actor.get_weight_version.remote(), timeout=240)
+
+        def complete() -> Outputs:
+            return outputs_of(
+                ray.get(actor.complete.remote(PROMPTS, sampling_params()), timeout=120)
+            )
+
+        assert complete() == references.outputs(INITIAL_SEED)
+        client = VersionedClient(RayVLLMWeightSyncClient(actor, timeout=120.0))
+        source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
+        trainer = connect(BACKEND, client, source, str(tmp_path))
+        try:
+            for round_, seed in enumerate((3, 2), start=1):
+                source.inner = ModuleSource(hf_model(seed))
+                client.version = f"async-{round_}"
+                trainer.send_weights()
+                assert complete() == references.outputs(seed), f"round {round_}"
+                assert ray.get(actor.get_weight_version.remote(), timeout=60) == f"async-{round_}"
+                assert ray.get(actor.is_paused.remote(), timeout=60) is False
+        finally:
+            trainer.shutdown()
+    finally:
+        ray_cluster.kill(actor)

@@ -17,30 +17,26 @@ info, never in per-round update info.
 
 from __future__ import annotations
 
+import functools
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from weight_transfer.loading import WeightLoader, loader_for
+from weight_transfer.hooks import SyncTracker
+from weight_transfer.loading import Transaction, WeightLoader, loader_for
 from weight_transfer.payload import parse_payload
 from weight_transfer.position import WorkerPosition, worker_position
-from weight_transfer.source import (
-    ModuleSource,
-    ParamMeta,
-    WeightSource,
-    layerwise_groups,
-    materialize_full_tensor,
-)
-from weight_transfer.transport.wire import WIRE_PROTOCOL_VERSION, check_wire_protocol
+from weight_transfer.rounds import DEFAULT_TIMEOUT_S, AlignedFailure, RoundClient, TrainerRound
+from weight_transfer.source import WeightSource  # in the engine's signatures, as in the spec
+from weight_transfer.transport.wire import WireProtocolInfo, check_wire_protocol
 
 __all__ = [
-    "ParamMeta",
     "WeightSource",
-    "ModuleSource",
-    "layerwise_groups",
-    "materialize_full_tensor",
+    "UpdatePayload",
     "VLLMWeightSyncClient",
     "TrainerInitInfo",
     "TrainerWeightTransferEngine",
@@ -54,6 +50,8 @@ __all__ = [
 ]
 
 UpdatePayload = dict[str, Any] | list[dict[str, Any]]
+
+logger = logging.getLogger("weight_transfer")
 
 
 @runtime_checkable
@@ -112,6 +110,13 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
     trainer's own groups stay aligned. `send_weights` returns only when nothing
     is in flight, and on failure raises the real error without waiting on
     control-plane threads that may never return.
+
+    `self.client` is the caller's client seen through `RoundClient`:
+    `update_weights` returns once the call is in flight, and the next call
+    waits for it (at most `timeout_s`), so a backend transmits while the
+    workers receive. `open_round` drives one round with hooks; backends built
+    on it supply only their transmit step (`weight_transfer.resync` for
+    full-resync backends).
     """
 
     init_info_cls: ClassVar[type[TrainerInitInfo]]
@@ -122,10 +127,30 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
         client: VLLMWeightSyncClient,
         source: WeightSource | None,
         is_sender: bool = True,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.client = client
+        self.client = client if isinstance(client, RoundClient) else RoundClient(client, timeout_s)
         self.source = source
         self.is_sender = is_sender
+        self.timeout_s = timeout_s
+        self.syncs = 0
+
+    @property
+    def backend(self) -> str:
+        return self.init_info_cls.backend
+
+    def open_round(self, *, num_params: int, total_bytes: int, num_chunks: int) -> TrainerRound:
+        """`start_weight_update` and the round's hooks; see `weight_transfer.rounds`."""
+        assert isinstance(self.client, RoundClient)
+        self.syncs += 1
+        tracker = SyncTracker(self.backend, self.syncs, num_params, total_bytes, num_chunks)
+        try:
+            self.client.start_weight_update()
+        except BaseException as error:
+            tracker.fail(error)
+            raise
+        tracker.started()
+        return TrainerRound(self.client, tracker, self.timeout_s)
 
     @classmethod
     @abstractmethod
@@ -158,9 +183,12 @@ class WeightTransferConfig:
 
 @dataclass
 class WeightTransferInitInfo:
-    """Base of a backend's init info. `wire_protocol` is checked before parsing."""
+    """Base of a backend's init info (what the trainer ships once, in the handshake).
 
-    wire_protocol: int = field(default=WIRE_PROTOCOL_VERSION, kw_only=True)
+    A backend built on core's shared layout and codec also mixes in
+    `weight_transfer.transport.wire.WireProtocolInfo`, and its handshake's
+    `wire_protocol` is then required and checked before anything is parsed.
+    """
 
 
 @dataclass
@@ -192,6 +220,31 @@ def synchronize_device(device: torch.device) -> None:
             accelerator.synchronize(device)
 
 
+_ROUND_STEPS = ("start_weight_update", "finish_weight_update")
+
+
+def _round_step(name: str, step: Callable[..., None]) -> Callable[..., None]:
+    """Run a subclass's `start_weight_update` / `finish_weight_update` (`name`)
+    inside the base class's transaction (see `WeightTransferEngine`)."""
+
+    @functools.wraps(step)
+    def wrapper(self: WeightTransferEngine[Any, Any]) -> None:
+        if self._in_round_step:  # a subclass calling super(): the outer wrapper owns it
+            step(self)
+            return
+        self._in_round_step = True
+        try:
+            if name == "start_weight_update":
+                self._open_round(lambda: step(self))
+            else:
+                self._close_round(lambda: step(self))
+        finally:
+            self._in_round_step = False
+
+    wrapper.__wt_round_step__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     """How an inference worker receives weights and loads them into its model.
 
@@ -200,14 +253,30 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     `finish_weight_update`. Wire parameters come from the init info and are
     stored on `self`; update info carries per-round metadata only.
 
-    If `update_weights` raises, the engine has already aborted the round: the
-    model serves the weights it had before `start_weight_update`.
+    The round is a transaction that the base class owns, whatever the
+    subclass writes: `start_weight_update` opens `self.transaction`
+    (`new_transaction()`, by default the model's `WeightLoader`, reachable as
+    `self.loader`) before the subclass's own `start_weight_update` runs;
+    `finish_weight_update` runs the subclass's, then commits; and any failure
+    in start, `update_weights` or finish aborts it (after the subclass's
+    `abort_weight_update` hook), so the model serves the weights it had before
+    `start_weight_update`. A backend that writes to the model directly (a
+    spec-style `self.model.load_weights`) is covered too: outside vLLM the
+    `DirectLoader` keeps an undo copy, inside vLLM the loader has begun a
+    layerwise reload.
     """
 
     init_info_cls: ClassVar[type[WeightTransferInitInfo]]
     update_info_cls: ClassVar[type[WeightTransferUpdateInfo]]
     supports_draft_weight_update: ClassVar[bool] = True
     defers_processing: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _ROUND_STEPS:
+            step = cls.__dict__.get(name)
+            if callable(step) and not getattr(step, "__wt_round_step__", False):
+                setattr(cls, name, _round_step(name, step))
 
     def __init__(
         self,
@@ -225,6 +294,8 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         self.model = model
         self._default_model = model
         self._default_model_config = self.model_config
+        self.transaction: Transaction | None = None
+        self._in_round_step = False
 
     # -- target selection (draft model) ---------------------------------
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
@@ -236,14 +307,83 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         self.model = self._default_model
         self.model_config = self._default_model_config
 
+    # -- the transaction -------------------------------------------------
     def new_loader(self) -> WeightLoader:
         """A loader for the current target model (layerwise reload inside vLLM)."""
         return loader_for(self.model, self.vllm_config, self.model_config)
 
+    def new_transaction(self) -> Transaction:
+        """The transaction of a new round; by default `new_loader()`."""
+        return self.new_loader()
+
+    @property
+    def round_open(self) -> bool:
+        return self.transaction is not None
+
+    @property
+    def loader(self) -> WeightLoader:
+        """The open round's loader; `RuntimeError` outside a round."""
+        transaction = self.transaction
+        if transaction is None:
+            raise RuntimeError(f"{type(self).__name__}: no open round (start_weight_update first)")
+        if not isinstance(transaction, WeightLoader):
+            raise TypeError(f"{type(self).__name__}'s transaction is not a WeightLoader")
+        return transaction
+
+    def _open_round(self, subclass_start: Callable[[], None]) -> None:
+        if self.transaction is not None:
+            # Hosts refuse a start while their round is open, so the host closed
+            # this one after a failure the engine never saw: roll it back first.
+            logger.warning(
+                "%s: a new round starts while the previous one is still open; "
+                "rolling the previous one back",
+                type(self).__name__,
+            )
+            self._abort_round(RuntimeError("superseded by a new start_weight_update"))
+        transaction = self.new_transaction()
+        transaction.begin()
+        self.transaction = transaction
+        try:
+            subclass_start()
+        except BaseException as error:
+            self._abort_round(error)
+            raise
+
+    def _close_round(self, subclass_finish: Callable[[], None]) -> None:
+        transaction = self.transaction
+        try:
+            self.drain_pending()
+            subclass_finish()
+            if transaction is not None:
+                transaction.commit()
+        except BaseException as error:
+            self._abort_round(error)
+            raise
+        self.transaction = None
+
+    def _abort_round(self, error: BaseException) -> None:
+        """The subclass's `abort_weight_update`, then the transaction's abort; both always run."""
+        transaction, self.transaction = self.transaction, None
+        failures: list[BaseException] = []
+        for undo in (self.abort_weight_update, transaction.abort if transaction else None):
+            if undo is None:
+                continue
+            try:
+                undo()
+            except BaseException as undo_error:
+                failures.append(undo_error)
+        if failures:
+            first = failures[0]
+            raise RuntimeError(
+                f"the weight update failed ({type(error).__name__}: {error}) and rolling "
+                f"back failed too ({type(first).__name__}: {first})"
+            ) from error
+
     # -- payload parsing ---------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> TInitInfo:
         """Typed init info; `ValueError` naming the field, or the wire-protocol mismatch."""
-        check_wire_protocol(init_dict)
+        declared = issubclass(self.init_info_cls, WireProtocolInfo)
+        init_dict = check_wire_protocol(init_dict, required=declared)
         return parse_payload(self.init_info_cls, init_dict, "init_info")  # type: ignore[return-value]
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> TUpdateInfo:
@@ -256,32 +396,28 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
         With `defers_processing` the sync is skipped and completion is
         guaranteed by `finish_weight_update` (or `drain_pending`). On any
-        failure the round is aborted (`abort_weight_update`) before re-raising.
+        failure the round is aborted before the error propagates.
         """
+        if self.transaction is None:
+            raise RuntimeError("update_weights called without a matching start_weight_update")
         try:
             info = self.parse_update_info(update_info)
             self.receive_weights(info)
             if not self.defers_processing:
                 synchronize_device(self.device)
+        except AlignedFailure as failed:  # the channel is fine; raise the cause
+            self._abort_round(failed.error)
+            raise failed.error from None
         except BaseException as error:
-            try:
-                self.abort_weight_update()
-            except BaseException as abort_error:
-                raise RuntimeError(
-                    f"update_weights failed ({type(error).__name__}: {error}) and rolling "
-                    f"back failed too ({type(abort_error).__name__}: {abort_error})"
-                ) from error
+            self._abort_round(error)
             raise
 
     def drain_pending(self) -> None:
         """Complete deferred work; idempotent, a no-op for synchronous engines."""
 
     def abort_weight_update(self) -> None:
-        """Discard the open round so the model serves its previous weights.
-
-        Called by `update_weights` on failure. The default does nothing: an
-        engine that changes the model before `finish_weight_update` overrides it.
-        """
+        """Backend clean-up when a round fails (the base class then aborts the
+        transaction). The default does nothing. Idempotent."""
 
     @abstractmethod
     def init_transfer_engine(self, init_info: TInitInfo) -> None:
@@ -289,15 +425,15 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
     @abstractmethod
     def start_weight_update(self) -> None:
-        """Prepare a round (checkpoint-format engines: begin the reload)."""
+        """Prepare a round, after the base class opened its transaction."""
 
     @abstractmethod
     def receive_weights(self, update_info: TUpdateInfo) -> None:
-        """Receive this update's weights and load them into `self.model`."""
+        """Receive this update's weights and load them (`self.loader.load`)."""
 
     @abstractmethod
     def finish_weight_update(self) -> None:
-        """Complete the round; the model serves the new weights afterwards."""
+        """Complete the round; the base class commits the transaction afterwards."""
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -1,7 +1,8 @@
 """`wt`: command-line entry point.
 
-`wt backends` lists installed backends; `wt demo [...]` trains a tiny Llama and
-syncs it into a live vLLM after every step (`wt demo --help`; needs vLLM).
+`wt backends` lists installed backends. `wt demo [...]` (train a tiny Llama,
+sync it into a live vLLM after every step) and `wt bench [...]` run the
+applications of the `wt-tools` distribution when it is installed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,28 @@ def _backends() -> int:
                 cells.append("registered in-process")
         print(f"{name:<16} {cells[0]:<28} {cells[1]:<28}")
     return 0
+
+
+TOOLS = {
+    "demo": "train a tiny Llama, sync it into vLLM after every step, verify",
+    "bench": "time syncs into a live vLLM against its own reload and save-and-reload",
+}
+
+
+def _run_tool(name: str, argv: list[str]) -> int:
+    import importlib
+
+    try:
+        module = importlib.import_module(f"wt_tools.{name}")
+    except ModuleNotFoundError as e:
+        if e.name not in ("wt_tools", f"wt_tools.{name}"):
+            raise
+        print(
+            f"wt {name} is part of the wt-tools distribution: pip install wt-tools", file=sys.stderr
+        )
+        return 2
+    result: int = module.main(argv)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,25 @@ Each implements `VLLMWeightSyncClient`: it reaches every inference worker,
 blocks until all are done, and raises `WeightSyncRPCError` (carrying the
 server's message) when any of them fails.
 
+Serving while syncing. Between `start_weight_update` and the end of the round
+the model is half-loaded (inside vLLM its layers live on the meta device), so
+a request that ran then would crash the engine. Every client therefore pauses
+generation before the round, through vLLM's own pause, and resumes it once the
+workers have closed the round: after `finish_weight_update` (whether it
+succeeded or rolled back), after a failed `start_weight_update` or
+`update_weights` (the workers rolled back). `pause` is the policy for requests
+in flight, vLLM's `PauseMode`:
+
+- `"keep"` (the default): in-flight requests are frozen and continue on the
+  new weights after the resume; nothing fails, nothing is recomputed twice;
+- `"wait"`: the round starts once in-flight requests have finished;
+- `"abort"`: in-flight requests are aborted;
+- `None`: no pause (the caller guarantees no request runs during a round).
+
+A trainer that dies inside a round leaves generation paused: resuming on a
+half-loaded model would kill the engine. The next round resumes it, or an
+operator's `resume_generation()` once the workers have rolled back.
+
 After a successful `finish_weight_update` each client resets the engine's
 prefix cache (`reset_prefix_cache=True`, the default): cached KV blocks were
 computed with the old weights, and a request sharing a prefix would reuse them.
@@ -13,17 +32,30 @@ computed with the old weights, and a request sharing a prefix would reuse them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
-from weight_transfer.base import UpdatePayload
+from weight_transfer.base import (
+    UpdatePayload,
+    WeightTransferInitRequest,
+    WeightTransferUpdateRequest,
+)
 
 __all__ = [
     "WeightSyncRPCError",
     "HTTPVLLMWeightSyncClient",
     "RayVLLMWeightSyncClient",
     "LocalVLLMWeightSyncClient",
+    "PauseMode",
 ]
+
+PauseMode = Literal["keep", "wait", "abort"]
+IDEMPOTENT_ROUTES = frozenset(
+    {"/pause", "/resume", "/is_paused", "/reset_prefix_cache", "/weight_info", "/get_world_size"}
+)
+PAUSE_MODES = ("keep", "wait", "abort")
+logger = logging.getLogger("weight_transfer")
 
 
 class WeightSyncRPCError(RuntimeError):
@@ -37,11 +69,109 @@ class WeightSyncRPCError(RuntimeError):
         self.status = status
 
 
-class HTTPVLLMWeightSyncClient:
+class _PausingClient:
+    """The round's pause / resume policy, shared by the built-in clients (see the module doc).
+
+    A subclass supplies `_call(method, *args, **kwargs)` (raising
+    `WeightSyncRPCError`), `_pause(mode)`, `_resume()` and `_reset_prefix_cache()`.
+    """
+
+    pause: PauseMode | None
+    reset_prefix_cache: bool
+
+    def _set_policy(self, pause: PauseMode | None, reset_prefix_cache: bool) -> None:
+        if pause is not None and pause not in PAUSE_MODES:
+            raise ValueError(
+                f"pause must be one of {', '.join(PAUSE_MODES)} or None, got {pause!r}"
+            )
+        self.pause = pause
+        self.reset_prefix_cache = reset_prefix_cache
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def _pause(self, mode: PauseMode) -> None:
+        raise NotImplementedError
+
+    def _resume(self) -> None:
+        raise NotImplementedError
+
+    def _reset_prefix_cache(self) -> None:
+        raise NotImplementedError
+
+    def pause_generation(self, mode: PauseMode = "keep") -> None:
+        """Pause generation now (what a round does first)."""
+        self._pause(mode)
+
+    def resume_generation(self) -> None:
+        """Resume generation, e.g. after a trainer died in a round that the workers
+        have since closed (`update_weights` failed there, or a later round ran)."""
+        self._resume()
+
+    def _resume_after(self, error: BaseException) -> None:
+        """Resume after the workers closed a round with `error`; a resume failure is logged."""
+        if self.pause is None:
+            return
+        try:
+            self._resume()
+        except Exception:
+            logger.exception("resuming generation after a failed round (%s) failed", error)
+
+    def _round_start(self, method: str) -> None:
+        if self.pause is not None:
+            self._pause(self.pause)
+        try:
+            self._call(method)
+        except BaseException as error:
+            self._resume_after(error)
+            raise
+
+    def start_weight_update(self) -> None:
+        self._round_start("start_weight_update")
+
+    def start_draft_weight_update(self) -> None:
+        self._round_start("start_draft_weight_update")
+
+    def update_weights(self, update_info: UpdatePayload) -> None:
+        try:
+            self._call_update(update_info)
+        except BaseException as error:
+            self._resume_after(error)
+            raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        try:
+            self._call_finish(weight_version)
+            if self.reset_prefix_cache:
+                self._reset_prefix_cache()
+        except BaseException as error:
+            self._resume_after(error)
+            raise
+        if self.pause is not None:
+            self._resume()
+
+    def _call_update(self, update_info: UpdatePayload) -> None:
+        raise NotImplementedError
+
+    def _call_finish(self, weight_version: str | None) -> None:
+        raise NotImplementedError
+
+
+class HTTPVLLMWeightSyncClient(_PausingClient):
     """A vLLM API server's RL routes over HTTP (`VLLM_SERVER_DEV_MODE=1` on the server).
 
     `timeout` bounds each request in seconds. `update_weights` blocks for the
     whole transfer, so it gets `update_timeout` (default: `timeout`).
+    Generation is paused through `POST /pause?mode=...` and resumed through
+    `POST /resume` (see the module doc for `pause`).
+
+    Retries: after an error response or a failed request the pooled connections
+    are dropped (servers close them after an error). A request that could not
+    connect never reached the server and is retried once on a fresh connection,
+    whatever the route. A request that failed after connecting may have been
+    acted on, so only the idempotent routes (`IDEMPOTENT_ROUTES`: pause,
+    resume, reset of the prefix cache, reads) are retried then; init, start,
+    update and finish never are, and a timeout is never retried.
     """
 
     def __init__(
@@ -50,11 +180,12 @@ class HTTPVLLMWeightSyncClient:
         timeout: float = 300.0,
         *,
         update_timeout: float | None = None,
+        pause: PauseMode | None = "keep",
         reset_prefix_cache: bool = True,
     ) -> None:
         import httpx
 
-        self.reset_prefix_cache = reset_prefix_cache
+        self._set_policy(pause, reset_prefix_cache)
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.update_timeout = update_timeout if update_timeout is not None else timeout
@@ -63,45 +194,72 @@ class HTTPVLLMWeightSyncClient:
     def _request(
         self, method: str, route: str, body: Any = None, *, timeout: float | None = None
     ) -> Any:
+        """One request; see the class docstring for when it is retried."""
         import httpx
 
-        try:
-            response = self._http.request(
-                method,
-                route,
-                json=body,
-                timeout=timeout if timeout is not None else self.timeout,
-            )
-        except httpx.HTTPError as e:
-            raise WeightSyncRPCError(route.lstrip("/"), f"{type(e).__name__}: {e}") from e
-        if not response.is_success:
-            raise WeightSyncRPCError(
-                route.lstrip("/"), _error_detail(response), status=response.status_code
-            )
-        return response.json() if response.content else None
+        path = route.split("?")[0]
+        name = path.lstrip("/")
+        attempts = 2
+        for attempt in range(attempts):
+            try:
+                response = self._http.request(
+                    method,
+                    route,
+                    json=body,
+                    timeout=timeout if timeout is not None else self.timeout,
+                )
+            except httpx.HTTPError as e:
+                self._reconnect()
+                retry = isinstance(e, httpx.ConnectError) or (
+                    path in IDEMPOTENT_ROUTES
+                    and isinstance(e, httpx.TransportError)
+                    and not isinstance(e, httpx.TimeoutException)
+                )
+                if retry and attempt + 1 < attempts:
+                    continue
+                raise WeightSyncRPCError(name, f"{type(e).__name__}: {e}") from e
+            if not response.is_success:
+                self._reconnect()  # servers close the connection after an error
+                raise WeightSyncRPCError(name, _error_detail(response), status=response.status_code)
+            return response.json() if response.content else None
+        raise AssertionError("unreachable")
+
+    def _reconnect(self) -> None:
+        """Drop pooled connections; the next request opens a fresh one."""
+        import httpx
+
+        self._http.close()
+        self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout)
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._request("POST", f"/{method}")
+
+    def _pause(self, mode: PauseMode) -> None:
+        self._request("POST", f"/pause?mode={mode}")
+
+    def _resume(self) -> None:
+        self._request("POST", "/resume")
+
+    def _reset_prefix_cache(self) -> None:
+        self._request("POST", "/reset_prefix_cache")
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._request("POST", "/init_weight_transfer_engine", {"init_info": init_info})
 
-    def start_weight_update(self) -> None:
-        self._request("POST", "/start_weight_update")
-
-    def start_draft_weight_update(self) -> None:
-        self._request("POST", "/start_draft_weight_update")
-
-    def update_weights(self, update_info: UpdatePayload) -> None:
+    def _call_update(self, update_info: UpdatePayload) -> None:
         self._request(
             "POST", "/update_weights", {"update_info": update_info}, timeout=self.update_timeout
         )
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
+    def _call_finish(self, weight_version: str | None) -> None:
         body = {"weight_version": weight_version} if weight_version is not None else None
         self._request("POST", "/finish_weight_update", body)
-        if self.reset_prefix_cache:
-            self._request("POST", "/reset_prefix_cache")
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._request("POST", "/shutdown_weight_transfer_engine")
+
+    def is_paused(self) -> bool:
+        return bool(self._request("GET", "/is_paused")["is_paused"])
 
     def weight_version(self) -> str:
         return str(self._request("GET", "/weight_info")["weight_version"])
@@ -125,29 +283,36 @@ def _error_detail(response: Any) -> str:
     return str(body)
 
 
-class RayVLLMWeightSyncClient:
+class RayVLLMWeightSyncClient(_PausingClient):
     """One or more Ray actor handles wrapping an `LLM`/`AsyncLLM` (or anything with
     the four methods). Each call fans out to every handle and blocks on all,
-    at most `timeout` seconds."""
+    at most `timeout` seconds.
+
+    Init and update travel as request objects (`request.init_info`,
+    `request.update_info`), which `AsyncLLM` requires and `LLM` accepts.
+    Generation is paused per actor through `pause_generation(mode=...)` /
+    `resume_generation()` (`AsyncLLM`) or `sleep(level=0, mode=...)` /
+    `wake_up(tags=["scheduling"])` (`LLM`); an actor with neither is not paused.
+    """
 
     def __init__(
         self,
         handles: Any | Sequence[Any],
         timeout: float = 300.0,
         *,
+        pause: PauseMode | None = "keep",
         reset_prefix_cache: bool = True,
     ) -> None:
         import ray
 
-        self.reset_prefix_cache = reset_prefix_cache
+        self._set_policy(pause, reset_prefix_cache)
         self._ray = ray
         self.handles = list(handles) if isinstance(handles, (list, tuple)) else [handles]
         if not self.handles:
             raise ValueError("RayVLLMWeightSyncClient needs at least one actor handle")
         self.timeout = timeout
 
-    def _fan_out(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        refs = [getattr(h, method).remote(*args, **kwargs) for h in self.handles]
+    def _get(self, method: str, refs: list[Any]) -> list[Any]:
         try:
             return list(self._ray.get(refs, timeout=self.timeout))
         except self._ray.exceptions.GetTimeoutError as e:
@@ -156,47 +321,89 @@ class RayVLLMWeightSyncClient:
             cause = getattr(e, "cause", None) or e
             raise WeightSyncRPCError(method, f"{type(cause).__name__}: {cause}") from e
 
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        refs = [getattr(h, method).remote(*args, **kwargs) for h in self.handles]
+        return self._get(method, refs)
+
+    def _each(self, what: str, options: Sequence[tuple[str, dict[str, Any]]]) -> None:
+        """Call, on every handle, the first method of `options` it has (or none)."""
+        refs = []
+        for handle in self.handles:
+            for name, kwargs in options:
+                method = getattr(handle, name, None)
+                if method is not None:
+                    refs.append(method.remote(**kwargs))
+                    break
+        self._get(what, refs)
+
+    def _pause(self, mode: PauseMode) -> None:
+        self._each(
+            "pause_generation",
+            [("pause_generation", {"mode": mode}), ("sleep", {"level": 0, "mode": mode})],
+        )
+
+    def _resume(self) -> None:
+        self._each(
+            "resume_generation",
+            [("resume_generation", {}), ("wake_up", {"tags": ["scheduling"]})],
+        )
+
+    def _reset_prefix_cache(self) -> None:
+        self._call("reset_prefix_cache")
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._fan_out("init_weight_transfer_engine", {"init_info": init_info})
+        self._call("init_weight_transfer_engine", WeightTransferInitRequest(init_info=init_info))
 
-    def start_weight_update(self) -> None:
-        self._fan_out("start_weight_update")
+    def _call_update(self, update_info: UpdatePayload) -> None:
+        self._call("update_weights", WeightTransferUpdateRequest(update_info=update_info))
 
-    def update_weights(self, update_info: UpdatePayload) -> None:
-        self._fan_out("update_weights", {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._fan_out("finish_weight_update", weight_version=weight_version)
-        if self.reset_prefix_cache:
-            self._fan_out("reset_prefix_cache")
+    def _call_finish(self, weight_version: str | None) -> None:
+        self._call("finish_weight_update", weight_version=weight_version)
 
 
-class LocalVLLMWeightSyncClient:
-    """An in-process `vllm.LLM` (or anything exposing its four RL methods)."""
+class LocalVLLMWeightSyncClient(_PausingClient):
+    """An in-process `vllm.LLM` (or anything exposing its four RL methods).
 
-    def __init__(self, llm: Any, *, reset_prefix_cache: bool = True) -> None:
+    Init and update travel as request objects. Generation is paused through
+    `sleep(level=0, mode=...)` and resumed through `wake_up(tags=["scheduling"])`
+    when the object has them (an `LLM` does); other objects are not paused.
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        pause: PauseMode | None = "keep",
+        reset_prefix_cache: bool = True,
+    ) -> None:
         self.llm = llm
-        self.reset_prefix_cache = reset_prefix_cache
+        self._set_policy(pause, reset_prefix_cache)
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> None:
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
-            getattr(self.llm, method)(*args, **kwargs)
+            return getattr(self.llm, method)(*args, **kwargs)
         except Exception as e:
             raise WeightSyncRPCError(method, f"{type(e).__name__}: {e}") from e
 
+    def _pause(self, mode: PauseMode) -> None:
+        if callable(getattr(self.llm, "sleep", None)):
+            self._call("sleep", level=0, mode=mode)
+
+    def _resume(self) -> None:
+        if callable(getattr(self.llm, "wake_up", None)):
+            self._call("wake_up", tags=["scheduling"])
+
+    def _reset_prefix_cache(self) -> None:
+        self._call("reset_prefix_cache")
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._call("init_weight_transfer_engine", {"init_info": init_info})
+        self._call("init_weight_transfer_engine", WeightTransferInitRequest(init_info=init_info))
 
-    def start_weight_update(self) -> None:
-        self._call("start_weight_update")
+    def _call_update(self, update_info: UpdatePayload) -> None:
+        self._call("update_weights", WeightTransferUpdateRequest(update_info=update_info))
 
-    def update_weights(self, update_info: UpdatePayload) -> None:
-        self._call("update_weights", {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
+    def _call_finish(self, weight_version: str | None) -> None:
         if weight_version is None:
             self._call("finish_weight_update")
         else:
             self._call("finish_weight_update", weight_version=weight_version)
-        if self.reset_prefix_cache:
-            self._call("reset_prefix_cache")

@@ -1,23 +1,12 @@
-"""Lifecycle hooks of a sync, on pluggy.
+"""Lifecycle hooks of a sync: the manager, the built-in implementation, the tracker.
 
-Every trainer engine reports through `track_sync(...)`, which calls the hooks
-below on the sending rank. Implementations come from
-`register_hooks(obj)` and from installed distributions' entry points in the
-group `weight_transfer.hooks` (loaded on first use). A hook that raises is
-logged and never breaks a sync.
-
-Hook specifications (all keyword arguments; implement any subset):
-
-- `wt_sync_started(backend, sync_id, num_params, total_bytes)`: the round
-  opened (`start_weight_update` returned).
-- `wt_chunk_moved(backend, sync_id, index, num_chunks, nbytes)`: one chunk
-  (bucket, tensor or patch batch) left the sender.
-- `wt_sync_finished(backend, sync_id, num_params, total_bytes, seconds,
-  weight_version)`: the workers finished the round.
-- `wt_sync_failed(backend, sync_id, error, seconds)`: the round raised; `error`
-  is the exception about to propagate.
-
-`sync_id` counts rounds per trainer engine, from 1.
+The specification is `weight_transfer.hookspecs`. Core's round
+(`weight_transfer.rounds`) reports through a `SyncTracker` on the sending
+rank; `track_sync(...)` makes one for engines that drive a round themselves.
+Implementations come from `register_hooks(obj)` and from installed
+distributions' entry points in the group `weight_transfer.hooks` (loaded on
+first use). A hook that raises is logged and never breaks a sync; a wrapper
+hook is refused with `ValueError` when it is registered.
 """
 
 from __future__ import annotations
@@ -32,45 +21,20 @@ from typing import Any
 
 import pluggy
 
-__all__ = ["hookspec", "hookimpl", "plugin_manager", "register_hooks", "track_sync", "SyncTracker"]
+from weight_transfer.hookspecs import PROJECT, SyncHookSpecs, hookimpl, hookspec
 
-PROJECT = "weight_transfer"
+__all__ = [
+    "hookspec",
+    "hookimpl",
+    "plugin_manager",
+    "register_hooks",
+    "track_sync",
+    "SyncTracker",
+    "LoggingProgress",
+]
+
 ENTRY_POINT_GROUP = "weight_transfer.hooks"
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
 logger = logging.getLogger("weight_transfer")
-
-
-class SyncHookSpecs:
-    @hookspec
-    def wt_sync_started(
-        self, backend: str, sync_id: int, num_params: int, total_bytes: int
-    ) -> None:
-        """A round opened on the inference side."""
-
-    @hookspec
-    def wt_chunk_moved(
-        self, backend: str, sync_id: int, index: int, num_chunks: int, nbytes: int
-    ) -> None:
-        """Chunk `index` of `num_chunks` (`nbytes` long) left the sender."""
-
-    @hookspec
-    def wt_sync_finished(
-        self,
-        backend: str,
-        sync_id: int,
-        num_params: int,
-        total_bytes: int,
-        seconds: float,
-        weight_version: str | None,
-    ) -> None:
-        """The round completed on every worker."""
-
-    @hookspec
-    def wt_sync_failed(
-        self, backend: str, sync_id: int, error: BaseException, seconds: float
-    ) -> None:
-        """The round failed with `error`, which propagates after the hooks."""
 
 
 class LoggingProgress:
@@ -155,30 +119,52 @@ class LoggingProgress:
 _manager: pluggy.PluginManager | None = None
 
 
+def _refuse_wrappers(pm: pluggy.PluginManager, plugin: object) -> None:
+    """Unregister `plugin` and raise if any of its hooks is a wrapper."""
+    for caller in pm.get_hookcallers(plugin) or []:
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin and (impl.hookwrapper or impl.wrapper):
+                name = pm.get_name(plugin)
+                pm.unregister(plugin)
+                raise ValueError(
+                    f"weight_transfer hook {caller.name} of {name!r} is a wrapper; wrapper "
+                    "hooks are not supported (they could hold or alter a round): implement "
+                    "it as a plain hookimpl"
+                )
+
+
 def plugin_manager() -> pluggy.PluginManager:
-    """The process's hook manager: built-in hooks plus entry-point plugins."""
+    """The process's hook manager: built-in hooks plus entry-point plugins.
+
+    Raises `ValueError` naming the plugin when an entry point provides a wrapper hook.
+    """
     global _manager
     if _manager is None:
         pm = pluggy.PluginManager(PROJECT)
         pm.add_hookspecs(SyncHookSpecs)
         pm.register(LoggingProgress(), name="wt-logging-progress")
         pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        for _, plugin in pm.list_name_plugin():
+            _refuse_wrappers(pm, plugin)
         _manager = pm
     return _manager
 
 
 def register_hooks(plugin: object, name: str | None = None) -> None:
-    """Register an object whose `@hookimpl` methods implement hook specs."""
-    plugin_manager().register(plugin, name=name)
+    """Register an object whose `@hookimpl` methods implement hook specs.
+
+    Raises `ValueError` (and registers nothing) when one of them is a wrapper.
+    """
+    pm = plugin_manager()
+    pm.register(plugin, name=name)
+    _refuse_wrappers(pm, plugin)
 
 
 def _call(hook_name: str, **kwargs: Any) -> None:
     """Call each implementation in pluggy's order; one that raises is logged and
-    neither the sync nor the other implementations notice (wrappers are not run)."""
+    neither the sync nor the other implementations notice."""
     hook = getattr(plugin_manager().hook, hook_name)
     for impl in reversed(hook.get_hookimpls()):
-        if impl.hookwrapper or impl.wrapper:
-            continue
         try:
             impl.function(*[kwargs[arg] for arg in impl.argnames])
         except Exception:  # observers must never break a sync
@@ -187,11 +173,13 @@ def _call(hook_name: str, **kwargs: Any) -> None:
 
 @dataclass
 class SyncTracker:
-    """Reports one round's progress; obtained from `track_sync`.
+    """Reports one round to the hooks: `started()`, `chunk_moved(n)` per chunk,
+    then exactly one of `finish()` or `fail(error)` (later calls are ignored).
 
     An engine that learns a round's size as it goes (batches sent inside a
     round the caller opened) updates `num_params`, `total_bytes` and
-    `num_chunks` here; `wt_sync_finished` reports the tracker's values.
+    `num_chunks`; `wt_sync_finished` reports the tracker's values.
+    `enabled=False` (non-sender ranks) silences every hook.
     """
 
     backend: str
@@ -199,9 +187,15 @@ class SyncTracker:
     num_params: int
     total_bytes: int
     num_chunks: int
-    enabled: bool
+    enabled: bool = True
     weight_version: str | None = None
     moved: int = field(default=0, init=False)
+    ended: bool = field(default=False, init=False)
+    _t0: float = field(default_factory=time.perf_counter, init=False, repr=False)
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self._t0
 
     def started(self) -> None:
         if self.enabled:
@@ -225,6 +219,36 @@ class SyncTracker:
                 nbytes=nbytes,
             )
 
+    def finish(self) -> None:
+        """The round completed on every worker (`wt_sync_finished`)."""
+        if self.ended:
+            return
+        self.ended = True
+        if self.enabled:
+            _call(
+                "wt_sync_finished",
+                backend=self.backend,
+                sync_id=self.sync_id,
+                num_params=self.num_params,
+                total_bytes=self.total_bytes,
+                seconds=self.seconds,
+                weight_version=self.weight_version,
+            )
+
+    def fail(self, error: BaseException) -> None:
+        """The round failed with `error`, which the caller raises (`wt_sync_failed`)."""
+        if self.ended:
+            return
+        self.ended = True
+        if self.enabled:
+            _call(
+                "wt_sync_failed",
+                backend=self.backend,
+                sync_id=self.sync_id,
+                error=error,
+                seconds=self.seconds,
+            )
+
 
 @contextmanager
 def track_sync(
@@ -236,33 +260,15 @@ def track_sync(
     num_chunks: int,
     enabled: bool = True,
 ) -> Iterator[SyncTracker]:
-    """Bracket one round: `wt_sync_finished` on normal exit, `wt_sync_failed` on error.
+    """A tracker for the block: `fail(error)` if it raises, else `finish()`.
 
     The engine calls `tracker.started()` once the round is open and
-    `tracker.chunk_moved(n)` per chunk; `enabled=False` (non-sender ranks)
-    silences every hook.
+    `tracker.chunk_moved(n)` per chunk.
     """
     tracker = SyncTracker(backend, sync_id, num_params, total_bytes, num_chunks, enabled)
-    t0 = time.perf_counter()
     try:
         yield tracker
     except BaseException as e:
-        if enabled:
-            _call(
-                "wt_sync_failed",
-                backend=backend,
-                sync_id=sync_id,
-                error=e,
-                seconds=time.perf_counter() - t0,
-            )
+        tracker.fail(e)
         raise
-    if enabled:
-        _call(
-            "wt_sync_finished",
-            backend=backend,
-            sync_id=sync_id,
-            num_params=tracker.num_params,
-            total_bytes=tracker.total_bytes,
-            seconds=time.perf_counter() - t0,
-            weight_version=tracker.weight_version,
-        )
+    tracker.finish()

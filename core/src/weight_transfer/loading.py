@@ -1,49 +1,70 @@
 """How received tensors reach a model, transactionally.
 
-A worker engine hands batches of `(name, tensor)` in HF names to a
-`WeightLoader`, bracketed by `begin()` and `commit()`; on any failure it calls
-`abort()`, after which the model must serve what it served before `begin()`.
+A `Transaction` is what a worker engine's round holds open: `begin()` at
+`start_weight_update`, `commit()` at `finish_weight_update`, `abort()` on any
+failure, after which the model serves exactly what it served before `begin()`.
+The engine base class (`weight_transfer.base.WeightTransferEngine`) drives it;
+a backend never calls these three itself.
 
-`DirectLoader` calls `model.load_weights(batch)` and keeps an undo copy of
-every parameter a batch overwrites, so `abort()` restores them. Inside vLLM
-(`vllm_config` is a `VllmConfig`) `loader_for` returns the bridge's
-`weight_transfer.vllm.loader.VLLMLoader`, which wraps layerwise reload; vLLM is
-imported only then.
+A `WeightLoader` is a transaction that also takes batches of `(name, tensor)`
+in HF names (`load`). `loader_for` picks one per round:
+
+1. a provider registered with `register_loader_provider`, newest first;
+2. inside vLLM (`vllm_config` is a `VllmConfig`) the bridge's
+   `weight_transfer.vllm.loader.VLLMLoader` (layerwise reload; vLLM is imported
+   only then);
+3. `DirectLoader` for any other `nn.Module`.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["WeightLoader", "DirectLoader", "loader_for", "register_loader_provider"]
+__all__ = [
+    "Transaction",
+    "WeightLoader",
+    "DirectLoader",
+    "loader_for",
+    "register_loader_provider",
+    "is_vllm_config",
+]
 
 
 @runtime_checkable
-class WeightLoader(Protocol):
-    def begin(self) -> None:
-        """Open an update; the model keeps serving its current weights until commit."""
+class Transaction(Protocol):
+    """One round's changes to a model: all of them, or none."""
 
+    def begin(self) -> None:
+        """Open the round; raise (changing nothing) if the model cannot take one."""
+
+    def commit(self) -> None:
+        """Make the round's changes the model's weights. One that raises has rolled back."""
+
+    def abort(self) -> None:
+        """Undo every change since `begin()`; idempotent, and a no-op after `commit()`."""
+
+
+@runtime_checkable
+class WeightLoader(Transaction, Protocol):
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load a batch of full tensors by HF name."""
 
-    def commit(self) -> None:
-        """Make everything loaded since `begin()` the model's weights."""
-
-    def abort(self) -> None:
-        """Undo everything loaded since `begin()`; idempotent."""
-
 
 class DirectLoader:
-    """`model.load_weights` with an undo copy of the model's parameters.
+    """Loads into a model outside vLLM, with an undo copy of its parameters.
 
-    The model must expose `load_weights(iterable of (name, tensor))`. `begin()`
-    copies every parameter (`named_parameters()`), so `abort()` restores them
-    whatever names the model's loader maps (fused or renamed parameters). Cost:
-    one copy of the parameters per round.
+    A model with `load_weights(iterable of (name, tensor))` loads through it
+    (fused or renamed parameters are its business). A plain `nn.Module` is
+    served by copying each tensor into the parameter of the same name, whose
+    shape and dtype must match exactly. A module with neither (no
+    `load_weights`, no parameters) is refused at `begin`.
+
+    `begin()` copies every parameter, so `abort()` restores them whatever the
+    model's loader touched. Cost: one copy of the parameters per round.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -51,13 +72,36 @@ class DirectLoader:
         self._undo: dict[str, torch.Tensor] | None = None
 
     def begin(self) -> None:
-        self._undo = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        params = dict(self.model.named_parameters())
+        if not callable(getattr(self.model, "load_weights", None)) and not params:
+            raise TypeError(
+                f"{type(self.model).__name__} has neither load_weights(weights) nor "
+                "parameters: DirectLoader cannot load weights into it"
+            )
+        self._undo = {n: p.detach().clone() for n, p in params.items()}
 
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        if self._undo is None:
+            raise RuntimeError("DirectLoader.load: no open round (begin() first, or aborted)")
         load_weights = getattr(self.model, "load_weights", None)
-        if load_weights is None:
-            raise TypeError(f"{type(self.model).__name__} has no load_weights(weights)")
-        load_weights(weights)
+        if callable(load_weights):
+            load_weights(weights)
+        else:
+            self._copy_by_name(weights)
+
+    def _copy_by_name(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                param = params.get(name)
+                if param is None:
+                    raise KeyError(f"{type(self.model).__name__} has no parameter named {name!r}")
+                if param.shape != tensor.shape or param.dtype != tensor.dtype:
+                    raise ValueError(
+                        f"{name!r}: received {tensor.dtype} {list(tensor.shape)}, the "
+                        f"parameter is {param.dtype} {list(param.shape)}"
+                    )
+                param.copy_(tensor)
 
     def commit(self) -> None:
         self._undo = None
@@ -89,9 +133,11 @@ def is_vllm_config(vllm_config: Any) -> bool:
 
 
 def loader_for(model: torch.nn.Module, vllm_config: Any, model_config: Any = None) -> WeightLoader:
-    """The loader for `model`: the first provider's answer; inside vLLM the
-    layerwise-reload loader (`model_config` is the target's, e.g. the draft
-    model's; `None` means `vllm_config.model_config`); else a `DirectLoader`."""
+    """The loader for `model` (see the module docstring for the order).
+
+    `model_config` is the target's (the draft model's for a draft update);
+    `None` means `vllm_config.model_config`.
+    """
     for provider in _providers:
         loader = provider(model, vllm_config)
         if loader is not None:

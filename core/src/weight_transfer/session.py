@@ -7,7 +7,8 @@ in-process worker directly.
 
 Rules: `start_weight_update` opens a round (error if one is open);
 `update_weights` and `finish_weight_update` need an open round; a failed
-`update_weights` closes the round (the engine has rolled back);
+`update_weights` or `finish_weight_update` closes the round (the engine's
+base class has rolled it back);
 `shutdown_weight_transfer_engine` is refused while a round is open.
 """
 
@@ -94,10 +95,7 @@ class WorkerSession:
         if not self._active:
             raise RuntimeError("finish_weight_update called without a matching start_weight_update")
         try:
-            self.engine.finish_weight_update()
-        except BaseException:
-            self.engine.abort_weight_update()
-            raise
+            self.engine.finish_weight_update()  # a failed finish has rolled back
         finally:
             self._active = False
             self.engine.reset_weight_update_target()

@@ -114,6 +114,52 @@ def test_source_disagreeing_with_metadata_raises_naming_the_parameter(
     engine.shutdown()
 
 
+class _LateAnswers:
+    """The pool's client, whose `update_weights` answers `delay_s` after the workers did."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.inner.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.inner.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        try:
+            self.inner.update_weights(update_info)
+        finally:
+            time.sleep(self.delay_s)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.inner.finish_weight_update(weight_version)
+
+
+def test_a_source_error_surfaces_at_once_whatever_the_workers_answer(pool: WorkerPool) -> None:
+    """The trainer never waits on the workers' update_weights on its error path."""
+    tensors = mixed_tensors(12)
+    pool.each("set_names", list(tensors))
+    client = _LateAnswers(pool.client(), delay_s=8.0)
+    info = NCCLTrainerInitInfo(
+        "127.0.0.1", free_port(), 1 + WORKERS, rank=0, timeout_s=30.0,
+        packed_buffer_size_bytes=1024, packed_min_bucket_bytes=0,
+    )  # fmt: skip
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=DisagreeingSource(tensors, "redtype", 5)
+    )
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="disagrees with metadata"):
+        engine.send_weights()
+    assert time.monotonic() - t0 < 4.0  # neither the late answer (8 s) nor the timeout (30 s)
+    client.delay_s = 0.0
+    engine.source = DictSource(tensors)
+    engine.send_weights()  # waits for the last round's call to end, then runs
+    assert_received(pool, tensors)
+    engine.shutdown()
+
+
 def test_worker_raising_in_update_weights_surfaces_and_next_round_works(pool: WorkerPool) -> None:
     tensors = mixed_tensors(5)
     names = list(tensors)

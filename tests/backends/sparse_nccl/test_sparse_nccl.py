@@ -23,8 +23,8 @@ from tests.backends.sparse_nccl.helpers import (
 from tests.backends.sparse_nccl.models import initial_state
 from tests.harness import WorkerPool
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
+from weight_transfer.backend import TransferTimeout, free_port
 from weight_transfer.hooks import hookimpl, plugin_manager, register_hooks
-from weight_transfer.transport.group import free_port
 from wt_sparse_nccl import (
     SparseNCCLTrainerEngine,
     SparseNCCLTrainerInitInfo,
@@ -57,9 +57,11 @@ class Rig:
             assert_same_bits(got, want)
 
 
-def connect(pool: WorkerPool, client: CountingClient) -> SparseNCCLTrainerEngine:
+def connect(
+    pool: WorkerPool, client: CountingClient, timeout_s: float = TIMEOUT_S
+) -> SparseNCCLTrainerEngine:
     info = SparseNCCLTrainerInitInfo(
-        "127.0.0.1", free_port(), 1 + len(pool.processes), rank=0, timeout_s=TIMEOUT_S, device="cpu"
+        "127.0.0.1", free_port(), 1 + len(pool.processes), rank=0, timeout_s=timeout_s, device="cpu"
     )
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client)
     assert isinstance(engine, SparseNCCLTrainerEngine)
@@ -126,15 +128,15 @@ def test_three_rounds_land_bit_exactly_and_only_nnz_bytes_travel(
     rig: Rig, gen: torch.Generator, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rig.assert_state(initial_state())
-    assert rig.engine.group is not None
+    assert rig.engine.channel.group is not None
     sent: list[tuple[torch.dtype, int]] = []
-    broadcast = rig.engine.group.broadcast
+    broadcast = rig.engine.channel.group.broadcast
 
     def spy(tensor: torch.Tensor, src: int = 0) -> Any:
         sent.append((tensor.dtype, tensor.numel()))
         return broadcast(tensor, src)
 
-    monkeypatch.setattr(rig.engine.group, "broadcast", spy)
+    monkeypatch.setattr(rig.engine.channel.group, "broadcast", spy)
     state = rig.state()
     full_bytes = sum(t.numel() * t.element_size() for t in state.values())
     for round_ in range(3):
@@ -222,7 +224,12 @@ def test_empty_patch_lists_make_no_call(rig: Rig, gen: torch.Generator) -> None:
     rig.engine.send_weights(None)
     rig.engine.send_weight_chunk([])
     rig.engine.send_weight_chunk(None)
-    assert rig.client.calls == []
+    rig.engine.send_weight_chunk()  # an empty chunk, as in vLLM
+    rig.engine.begin()
+    rig.engine.send_weight_chunk()
+    rig.engine.end()
+    assert [c[0] for c in rig.client.calls] == ["start_weight_update", "finish_weight_update"]
+    rig.client.calls.clear()
     rig.assert_state(state)
 
     # A non-sender rank does nothing at all, whatever it is given.
@@ -235,7 +242,7 @@ def test_empty_patch_lists_make_no_call(rig: Rig, gen: torch.Generator) -> None:
     other.send_weight_chunk([random_patch(W0, state, 3, gen)])
     other.end()
     assert rig.client.calls == []
-    assert other.group is None
+    assert other.channel.group is None
     rig.assert_state(state)
 
 
@@ -311,7 +318,7 @@ def test_a_source_is_refused() -> None:
 
 
 def test_batches_the_workers_refuse_apply_nothing_and_the_next_sync_works(
-    rig: Rig, gen: torch.Generator
+    rig: Rig, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     state = rig.state()
     good = random_patch(W1, state, 12, gen)  # valid, and first in every bad batch
@@ -333,7 +340,7 @@ def test_batches_the_workers_refuse_apply_nothing_and_the_next_sync_works(
         with pytest.raises(WeightSyncRPCError, match=rf"patch 1 \('{bad.name}'\): .*{message}"):
             rig.engine.send_weights([good, bad])
         rig.assert_state(state)
-        assert rig.engine.group is not None, case
+        assert rig.engine.channel.group is not None, case
 
     # Checks the trainer would have made, bypassed: the workers make them too.
     skipped = {
@@ -346,10 +353,13 @@ def test_batches_the_workers_refuse_apply_nothing_and_the_next_sync_works(
             "index 2 appears more than once",
         ),
     }
+    import wt_sparse_nccl.trainer
+
+    monkeypatch.setattr(wt_sparse_nccl.trainer, "check_patches", lambda patches: None)
     for bad, message in skipped.values():
         rig.client.start_weight_update()
         with pytest.raises(WeightSyncRPCError, match=rf"patch 1 \('{B1}'\): .*{message}"):
-            rig.engine._broadcast(rig.engine._prepare([good, bad]))
+            rig.engine.send_weight_chunk([good, bad])
         rig.assert_state(state)
 
     # A chunk refused mid-round rolls the earlier chunks of that round back, too.
@@ -367,15 +377,22 @@ def test_batches_the_workers_refuse_apply_nothing_and_the_next_sync_works(
     rig.assert_state(applied(state, patches))
 
 
-def test_a_worker_out_of_step_refuses_until_trainer_init_runs_again(
+class _NeverDone:
+    """A collective's work that never completes (a broadcast lost on the way)."""
+
+    def get_future(self) -> torch.futures.Future[None]:
+        return torch.futures.Future()
+
+
+def test_a_refused_update_keeps_the_group_and_a_torn_down_one_refuses_until_trainer_init(
     gen: torch.Generator,
 ) -> None:
     with WorkerPool("sparse_nccl", 1, model_factory=MODEL_FACTORY) as pool:
         client = CountingClient(pool.client(timeout_s=60.0))
-        engine = connect(pool, client)
+        engine = connect(pool, client, timeout_s=3.0)
         state = initial_state()
-        # An update the worker cannot even parse: it cannot know what to receive,
-        # so it drops its group rather than fall out of step with the trainer.
+        # An update the worker cannot parse is refused before anything is
+        # received: nothing crossed the wire, so the group stays in step.
         client.start_weight_update()
         bad_update = {
             "names": [W0],
@@ -386,21 +403,29 @@ def test_a_worker_out_of_step_refuses_until_trainer_init_runs_again(
         }
         with pytest.raises(WeightSyncRPCError, match="index_dtype_names\\[0\\]"):
             client.update_weights(bad_update)
-
         patch = random_patch(W0, state, 4, gen)
-        t0 = time.monotonic()
-        with pytest.raises(WeightSyncRPCError, match="no transfer group"):
-            engine.send_weights([patch])
-        assert time.monotonic() - t0 < TIMEOUT_S / 2  # the worker's error, not a timeout
+        engine.send_weights([patch])
+        state = applied(state, [patch])
         assert_same_bits(pool.each("state_dict")[0], state)
-        # The broadcasts failed as well, so the trainer dropped its end too.
-        assert engine.group is None
+
+        # A broadcast the worker never receives leaves the two sides out of
+        # step: the trainer's wait times out, it drops its end and says so.
+        group = engine.channel.require()
+        group.broadcast = lambda tensor, src=0: _NeverDone()  # type: ignore[method-assign,assignment]
+        t0 = time.monotonic()
+        # the trainer's own timeout, or the worker's if it reports first
+        with pytest.raises((TransferTimeout, WeightSyncRPCError), match=r"within 3s|timed out"):
+            engine.send_weights([random_patch(W0, state, 4, gen)])
+        assert time.monotonic() - t0 < TIMEOUT_S / 2
+        assert engine.channel.group is None
+        assert_same_bits(pool.each("state_dict")[0], state)
         client.calls.clear()
         with pytest.raises(RuntimeError, match=r"no transfer group .*torn down"):
             engine.send_weights([patch])
         assert client.calls == []
 
         engine = connect(pool, client)
+        patch = random_patch(W0, state, 4, gen)
         engine.send_weights([patch])
         assert_same_bits(pool.each("state_dict")[0], applied(state, [patch]))
         engine.shutdown()

@@ -23,6 +23,7 @@ from weight_transfer.base import VLLMWeightSyncClient, WeightTransferInitInfo
 from weight_transfer.position import WorkerPosition
 from weight_transfer.transport.futures import in_background, wait_for
 from weight_transfer.transport.group import StatelessGroup
+from weight_transfer.transport.wire import WireProtocolInfo
 
 __all__ = ["GroupTrainerFields", "GroupInitInfo", "trainer_rendezvous", "join_group"]
 
@@ -66,8 +67,11 @@ class GroupTrainerFields:
 
 
 @dataclass
-class GroupInitInfo(WeightTransferInitInfo):
-    """Worker init info of a backend built on a private group (trainer = rank 0)."""
+class GroupInitInfo(WireProtocolInfo, WeightTransferInitInfo):
+    """Worker init info of a backend built on a private group (trainer = rank 0).
+
+    Declares core's wire protocol: group backends share core's layout and codec.
+    """
 
     master_address: str = field(kw_only=True)
     master_port: int = field(kw_only=True)

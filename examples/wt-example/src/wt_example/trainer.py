@@ -1,23 +1,31 @@
-"""Trainer side of `example_file`."""
+"""Trainer side of `example_file`: write the round's tensors into one file.
+
+The transmit step only: core's `ResyncTrainerEngine` runs the round (metadata
+on every rank, the checked iteration, start / update / finish, hooks, the
+weight version). The file appears atomically (written aside, then renamed),
+so a worker polling for it never reads half of it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from weight_transfer.base import (
+from weight_transfer.backend import (
+    ParamMeta,
+    ResyncTrainerEngine,
     TrainerInitInfo,
-    TrainerWeightTransferEngine,
+    Transfer,
     VLLMWeightSyncClient,
     WeightSource,
+    param_list_payload,
+    payload_of,
 )
-from weight_transfer.hooks import track_sync
-from weight_transfer.payload import payload_of
-from weight_transfer.source import checked_iteration
-from weight_transfer.transport.dtypes import dtype_name
 from wt_example.worker import FileInitInfo
 
 
@@ -26,9 +34,10 @@ class FileTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = "example_file"
 
     directory: str  # shipped to the workers in the handshake, so both sides agree
+    timeout_s: float = 60.0
 
 
-class FileTrainerEngine(TrainerWeightTransferEngine[FileTrainerInitInfo]):
+class FileTrainerEngine(ResyncTrainerEngine[FileTrainerInitInfo]):
     init_info_cls = FileTrainerInitInfo
 
     def __init__(
@@ -39,9 +48,11 @@ class FileTrainerEngine(TrainerWeightTransferEngine[FileTrainerInitInfo]):
         is_sender: bool,
         info: FileTrainerInitInfo,
     ) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender)
+        super().__init__(
+            client=client, source=source, is_sender=is_sender, timeout_s=info.timeout_s
+        )
         self.info = info
-        self.rounds = 0
+        self._written: str | None = None
 
     @classmethod
     def trainer_init(
@@ -56,39 +67,35 @@ class FileTrainerEngine(TrainerWeightTransferEngine[FileTrainerInitInfo]):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
         if engine.is_sender:
             os.makedirs(init_info.directory, exist_ok=True)
-            worker_info = FileInitInfo(directory=init_info.directory)
-            client.init_weight_transfer_engine(payload_of(worker_info))
+            worker_info = FileInitInfo(directory=init_info.directory, timeout_s=init_info.timeout_s)
+            engine.client.init_weight_transfer_engine(payload_of(worker_info))
         return engine
 
-    def send_weights(self, weight_version: str | None = None) -> None:
-        assert self.source is not None
-        metas = self.source.metadata()  # every rank: may be a collective
-        if not self.is_sender:
-            for _ in self.source:  # stay in step with the sender's gathers
-                pass
-            return
-        self.rounds += 1
-        total = sum(m.nbytes for m in metas)
-        with track_sync(
-            "example_file", self.rounds, num_params=len(metas), total_bytes=total, num_chunks=1
-        ) as tracker:
-            tensors = {m.name: t.detach().cpu() for m, t in checked_iteration(metas, self.source)}
-            filename = f"round-{self.rounds}.pt"
-            path = os.path.join(self.info.directory, filename)
-            torch.save(tensors, path)
-            self.client.start_weight_update()
-            tracker.started()
-            try:
-                self.client.update_weights(
-                    {
-                        "filename": filename,
-                        "names": [m.name for m in metas],
-                        "dtype_names": [dtype_name(m.dtype) for m in metas],
-                        "shapes": [list(m.shape) for m in metas],
-                    }
-                )
-                tracker.chunk_moved(total)
-                self.client.finish_weight_update(weight_version)
-                tracker.weight_version = weight_version
-            finally:
-                os.unlink(path)
+    def num_chunks(self, metas: list[ParamMeta]) -> int:
+        return 1
+
+    def update_info(self, metas: list[ParamMeta]) -> dict[str, Any]:
+        return {**param_list_payload(metas), "filename": f"round-{self.syncs}.pt"}
+
+    def transmit(
+        self,
+        metas: list[ParamMeta],
+        pairs: Iterator[tuple[ParamMeta, torch.Tensor]],
+        transfer: Transfer,
+    ) -> None:
+        tensors = {meta.name: tensor.detach().cpu() for meta, tensor in pairs}
+        self._remove_written()
+        path = os.path.join(self.info.directory, f"round-{self.syncs}.pt")
+        torch.save(tensors, path + ".partial")
+        os.replace(path + ".partial", path)
+        self._written = path
+        transfer.chunk_moved(sum(m.nbytes for m in metas))
+
+    def _remove_written(self) -> None:
+        if self._written is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._written)
+            self._written = None
+
+    def shutdown(self) -> None:
+        self._remove_written()

@@ -1,38 +1,42 @@
-"""Worker side of `example_file`."""
+"""Worker side of `example_file`: read the round's file, load it.
+
+The receive step only: core's base class opens the model's loader at
+`start_weight_update`, commits it at finish and rolls it back on any failure.
+"""
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from weight_transfer.base import (
+from weight_transfer.backend import (
+    ParamListUpdateInfo,
     WeightTransferEngine,
     WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
+    WireProtocolInfo,
 )
-from weight_transfer.loading import WeightLoader
-from weight_transfer.transport.dtypes import dtype_from_name
 
 
 @dataclass
-class FileInitInfo(WeightTransferInitInfo):
+class FileInitInfo(WireProtocolInfo, WeightTransferInitInfo):
+    """The handshake: the shared directory, and how long a round's file may take to appear."""
+
     directory: str = field(kw_only=True)
+    timeout_s: float = field(default=60.0, kw_only=True)
 
 
 @dataclass
-class FileUpdateInfo(WeightTransferUpdateInfo):
-    filename: str
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
+class FileUpdateInfo(ParamListUpdateInfo):
+    """The shared parameter list, plus the file this round's tensors are in."""
+
+    filename: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("dtype_names", "shapes"):
-            if len(getattr(self, name)) != len(self.names):
-                raise ValueError(f"update_info: field {name!r} must have one entry per name")
-        if os.sep in self.filename or self.filename.startswith("."):
+        super().__post_init__()
+        if not self.filename or os.sep in self.filename or self.filename.startswith("."):
             raise ValueError(
                 f"update_info: field 'filename' must be a bare file name, got {self.filename!r}"
             )
@@ -42,42 +46,38 @@ class FileWorkerEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
     init_info_cls = FileInitInfo
     update_info_cls = FileUpdateInfo
 
-    directory: str | None = None
-    loader: WeightLoader | None = None
+    info: FileInitInfo | None = None
 
     def init_transfer_engine(self, init_info: FileInitInfo) -> None:
-        self.directory = init_info.directory
+        self.info = init_info
 
     def start_weight_update(self) -> None:
-        self.loader = self.new_loader()
-        self.loader.begin()
+        """Nothing beyond core's transaction."""
 
     def receive_weights(self, update_info: FileUpdateInfo) -> None:
-        if self.directory is None or self.loader is None:
-            raise RuntimeError("example_file: update_weights before init / start")
-        tensors = torch.load(
-            os.path.join(self.directory, update_info.filename),
-            weights_only=True,
-            map_location=self.device,
-        )
+        if self.info is None:
+            raise RuntimeError("example_file: update_weights before init_weight_transfer_engine")
+        path = os.path.join(self.info.directory, update_info.filename)
+        deadline = time.monotonic() + self.info.timeout_s
+        while not os.path.exists(path):  # the trainer writes it while this call runs
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"example_file: {path} did not appear within {self.info.timeout_s:g}s"
+                )
+            time.sleep(0.005)
+        tensors = torch.load(path, weights_only=True, map_location=self.device)
         batch = []
-        for i, name in enumerate(update_info.names):
-            t = tensors[name]
-            dtype = dtype_from_name(update_info.dtype_names[i], field=f"dtype_names[{i}]")
-            if t.dtype != dtype or list(t.shape) != update_info.shapes[i]:
-                raise ValueError(f"example_file: {name!r} in the file does not match update_info")
-            batch.append((name, t))
+        for meta in update_info.metas:
+            t = tensors.get(meta.name)
+            if t is None or t.dtype != meta.dtype or tuple(t.shape) != meta.shape:
+                raise ValueError(
+                    f"example_file: {meta.name!r} in the file does not match update_info"
+                )
+            batch.append((meta.name, t))
         self.loader.load(batch)
 
     def finish_weight_update(self) -> None:
-        if self.loader is not None:
-            self.loader.commit()
-            self.loader = None
-
-    def abort_weight_update(self) -> None:
-        if self.loader is not None:
-            self.loader.abort()
-            self.loader = None
+        """Nothing beyond core's transaction."""
 
     def shutdown(self) -> None:
-        self.directory = None
+        self.info = None

@@ -18,11 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_transfer.base import WeightTransferUpdateInfo
-from weight_transfer.source import ParamMeta
-from weight_transfer.transport.dtypes import dtype_from_name
-from weight_transfer.transport.packing import Bucket, BucketPlan, Piece, plan_buckets
-from weight_transfer.transport.rendezvous import GroupInitInfo
+from weight_transfer.backend import (
+    Bucket,
+    BucketPlan,
+    GroupInitInfo,
+    ParamListUpdateInfo,
+    ParamMeta,
+    Piece,
+    plan_buckets,
+)
 
 __all__ = [
     "NCCLWorkerInitInfo",
@@ -32,6 +36,7 @@ __all__ = [
     "HEADER_OK",
     "HEADER_ABORT",
     "TrainerAbortedError",
+    "header",
 ]
 
 HEADER_OK = 0
@@ -94,30 +99,8 @@ class NCCLWorkerInitInfo(WireParams, GroupInitInfo):
         self.validate("init_info")
 
 
-@dataclass
-class NCCLUpdateInfo(WeightTransferUpdateInfo):
-    """Per-round metadata: the parameters in wire order."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-
-    def __post_init__(self) -> None:
-        for name in ("dtype_names", "shapes"):
-            if len(getattr(self, name)) != len(self.names):
-                raise ValueError(
-                    f"update_info: field {name!r} has {len(getattr(self, name))} entries, "
-                    f"'names' has {len(self.names)}"
-                )
-        for i, shape in enumerate(self.shapes):
-            if any(d < 0 for d in shape):
-                raise ValueError(f"update_info: field 'shapes[{i}]' has a negative dimension")
-        self.metas = [
-            ParamMeta(n, dtype_from_name(d, field=f"dtype_names[{i}]"), tuple(s))
-            for i, (n, d, s) in enumerate(
-                zip(self.names, self.dtype_names, self.shapes, strict=True)
-            )
-        ]
+NCCLUpdateInfo = ParamListUpdateInfo
+"""Per-round metadata: the parameters in wire order (core's shared parameter list)."""
 
 
 def plan_for(metas: list[ParamMeta], wire: WireParams) -> BucketPlan:
@@ -133,4 +116,5 @@ def plan_for(metas: list[ParamMeta], wire: WireParams) -> BucketPlan:
 
 
 def header(k: int, status: int, device: torch.device) -> torch.Tensor:
+    """The header broadcast before bucket `k`: `int64[k, status]`."""
     return torch.tensor([k, status], dtype=torch.int64, device=device)

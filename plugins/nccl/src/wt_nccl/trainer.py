@@ -1,46 +1,41 @@
-"""Trainer side of the `nccl` backend.
+"""Trainer side of the `nccl` backend: rank 0 broadcasts the bucket plan.
 
-Every trainer rank calls `trainer_init` and `send_weights`. Rank 0 hosts the
-private group and streams; other ranks only iterate the source, because
-materializing a sharded parameter is a collective of the trainer's own groups.
-
-`send_weights` on rank 0: `start_weight_update`; `update_weights` on a side
-thread (workers enter their receive loop); stream the buckets; wait for the
-workers' answer; `finish_weight_update`. Packing bucket `k + 1` overlaps the
-broadcast of bucket `k` (buffers rotate), and every wait watches the
-`update_weights` call, so a worker error surfaces at once instead of after a
-transport timeout. The side thread is never joined on an error path.
+Core's `ResyncTrainerEngine` drives the round on every rank; this module is
+the transmit step. For each bucket `k` of the plan: pack it into staging
+buffer `k % n` (the `SendWindow` waits until that buffer's previous sends are
+done, so packing `k + 1` overlaps broadcasting `k`), then broadcast its header
+`[k, OK]` and its bytes. If the source fails while bucket `k` is being packed,
+the sends in flight are drained and `[k, ABORT]` goes out instead, so every
+worker stops at the same collective and the group carries the next round.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from weight_transfer.base import (
+from weight_transfer.backend import (
+    AlignedFailure,
+    Bucket,
+    BucketPlan,
+    GroupChannel,
+    GroupTrainerFields,
+    ParamMeta,
+    ResyncTrainerEngine,
+    RotatingBuffers,
+    SendWindow,
     TrainerInitInfo,
-    TrainerWeightTransferEngine,
+    Transfer,
     VLLMWeightSyncClient,
     WeightSource,
-)
-from weight_transfer.hooks import SyncTracker, track_sync
-from weight_transfer.payload import payload_of
-from weight_transfer.source import ParamMeta, checked_iteration
-from weight_transfer.transport.dtypes import dtype_name
-from weight_transfer.transport.futures import (
-    all_settle,
-    await_transfer,
-    in_background,
+    as_bytes,
+    payload_of,
+    trainer_rendezvous,
     work_future,
 )
-from weight_transfer.transport.group import StatelessGroup
-from weight_transfer.transport.packing import BucketPlan, RotatingBuffers, as_bytes
-from weight_transfer.transport.rendezvous import GroupTrainerFields, trainer_rendezvous
 from wt_nccl.protocol import (
     HEADER_ABORT,
     HEADER_OK,
@@ -62,7 +57,7 @@ class NCCLTrainerInitInfo(WireParams, TrainerInitInfo, GroupTrainerFields):
     backend: ClassVar[str] = "nccl"
 
 
-class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
+class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
     init_info_cls = NCCLTrainerInitInfo
 
     def __init__(
@@ -72,14 +67,14 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
         source: WeightSource,
         is_sender: bool,
         info: NCCLTrainerInitInfo,
-        group: StatelessGroup | None,
     ) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender)
+        super().__init__(
+            client=client, source=source, is_sender=is_sender, timeout_s=info.timeout_s
+        )
         self.info = info
         self.wire = info.wire
         self.device = info.resolved_device()
-        self.group = group
-        self.syncs = 0
+        self.channel = GroupChannel("nccl", remedy="call trainer_init again")
         self._buffers = RotatingBuffers(self.wire.packed_num_buffers, self.device)
         self._plan_key: tuple[ParamMeta, ...] | None = None
         self._plan: BucketPlan | None = None
@@ -96,25 +91,19 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
         if source is None:
             raise ValueError("the nccl backend is full-resync: trainer_init needs a WeightSource")
         init_info.validate("NCCLTrainerInitInfo")
-        group = None
-        if init_info.is_sender:
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
+        if engine.is_sender:
             payload = payload_of(
-                NCCLWorkerInitInfo(
-                    **init_info.worker_group_fields(),
-                    packed=init_info.packed,
-                    packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
-                    packed_num_buffers=init_info.packed_num_buffers,
-                    packed_min_bucket_bytes=init_info.packed_min_bucket_bytes,
-                )
+                NCCLWorkerInitInfo(**init_info.worker_group_fields(), **vars(init_info.wire))
             )
-            group = trainer_rendezvous(client, payload, init_info)
-        return cls(
-            client=client,
-            source=source,
-            is_sender=init_info.is_sender,
-            info=init_info,
-            group=group,
-        )
+            engine.channel.connect(trainer_rendezvous(engine.client, payload, init_info))
+        return engine
+
+    def check_ready(self) -> None:
+        self.channel.require()
+
+    def num_chunks(self, metas: list[ParamMeta]) -> int:
+        return len(self._plan_for(metas).buckets)
 
     def _plan_for(self, metas: list[ParamMeta]) -> BucketPlan:
         key = tuple(metas)
@@ -122,154 +111,69 @@ class NCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
             self._plan, self._plan_key = plan_for(metas, self.wire), key
         return self._plan
 
-    def send_weights(self, weight_version: str | None = None) -> None:
-        """One full round; see the module docstring. Returns with nothing in flight.
-
-        `weight_version` labels the new weights; it is committed by the
-        workers' `finish_weight_update`, so it changes together with the weights.
-        """
-        assert self.source is not None
-        metas = self.source.metadata()
-        if not self.is_sender:
-            for _ in self.source:
-                pass
-            return
-        if self.group is None:
-            raise RuntimeError(
-                "the nccl group was torn down by an earlier transport failure; "
-                "call trainer_init again"
-            )
-        plan = self._plan_for(metas)
-        update_info = {
-            "names": [m.name for m in metas],
-            "dtype_names": [dtype_name(m.dtype) for m in metas],
-            "shapes": [list(m.shape) for m in metas],
-        }
-        self.syncs += 1
-        with track_sync(
-            "nccl",
-            self.syncs,
-            num_params=len(metas),
-            total_bytes=plan.total_bytes,
-            num_chunks=len(plan.buckets),
-        ) as tracker:
-            self.client.start_weight_update()
-            tracker.started()
-            rpc = in_background(
-                lambda: self.client.update_weights(update_info), name="wt-nccl-update-rpc"
-            )
-            try:
-                self._stream(plan, checked_iteration(metas, self.source), rpc, tracker)
-            except _AlignedFailure as failed:
-                _wait_quietly(rpc, self.info.timeout_s)  # the workers roll back, then answer
-                raise failed.error from None
-            except BaseException:
-                self._tear_down()
-                raise
-            await_transfer(
-                rpc, watch={}, timeout_s=self.info.timeout_s, what="the workers' update_weights"
-            )
-            self.client.finish_weight_update(weight_version)
-            tracker.weight_version = weight_version
-
-    def _stream(
+    def transmit(
         self,
-        plan: BucketPlan,
+        metas: list[ParamMeta],
         pairs: Iterator[tuple[ParamMeta, torch.Tensor]],
-        rpc: Future[None],
-        tracker: SyncTracker,
+        transfer: Transfer,
     ) -> None:
-        """Broadcast every bucket.
+        plan = self._plan_for(metas)
+        with self.channel.on_wire("a broadcast") as group:
+            window = SendWindow(self._buffers, transfer)
+            packer = _Packer(pairs)
+            for k, bucket in enumerate(plan.buckets):
+                window.free(k)
+                try:  # only the source can fail here: tell the workers, keep the group
+                    if self.wire.packed:
+                        out = packer.pack(bucket, self._buffers.get(k, bucket.nbytes))
+                    else:
+                        out = as_bytes(next(pairs)[1].to(self.device))
+                    if k == len(plan.buckets) - 1:
+                        packer.exhaust()
+                except Exception as error:
+                    self._abort_at(k, window, transfer)
+                    raise AlignedFailure(error) from error
+                head = header(k, HEADER_OK, self.device)
+                what = f"the broadcast of bucket {k}"
+                sends = [work_future(group.broadcast(t), what) for t in (head, out)]
+                window.sent(k, sends, [head, out])
+                transfer.chunk_moved(bucket.nbytes)
+            if not plan.buckets:
+                packer.exhaust()
+            window.drain()
 
-        Raises `_AlignedFailure` when the round failed but every collective
-        matched (a source error, after an abort notice went out; or a worker
-        that drained the round and then failed). Any other error may leave
-        collectives misaligned; the caller tears the group down.
-        """
-        group = self.group
-        assert group is not None
-        nb = len(self._buffers)
-        in_flight: list[list[Future[None]]] = [[] for _ in range(nb)]
-        keep_alive: list[list[torch.Tensor]] = [[] for _ in range(nb)]
-        watch = {"the workers' update_weights": rpc}
-        timeout = self.info.timeout_s
-
-        def settle(slot: int, what: str) -> None:
-            try:
-                for fut in in_flight[slot]:
-                    await_transfer(fut, watch=watch, timeout_s=timeout, what=what)
-            except Exception as error:
-                reported = rpc.done() and rpc.exception() is error
-                if reported and all_settle(f for futs in in_flight for f in futs):
-                    raise _AlignedFailure(error) from error
-                raise
-            in_flight[slot].clear()
-            keep_alive[slot].clear()
-
-        current: torch.Tensor | None = None  # bytes of the parameter being packed
-        last = len(plan.buckets) - 1
-        for k, bucket in enumerate(plan.buckets):
-            slot = k % nb
-            settle(slot, f"the broadcast of bucket {k - nb}")
-            try:
-                if self.wire.packed:
-                    out = self._buffers.get(k, bucket.nbytes)
-                    for piece in bucket.pieces:
-                        if piece.start == 0:
-                            current = as_bytes(next(pairs)[1])
-                        assert current is not None
-                        out[piece.offset : piece.offset + piece.nbytes].copy_(
-                            current[piece.start : piece.start + piece.nbytes]
-                        )
-                else:
-                    out = as_bytes(next(pairs)[1].to(self.device))
-                if k == last:
-                    for _ in pairs:  # the source must end where metadata() does
-                        pass
-            except Exception as error:
-                for s in range(nb):
-                    settle(s, "the broadcasts before the abort notice")
-                notice = work_future(
-                    group.broadcast(header(k, HEADER_ABORT, self.device)), "the abort notice"
-                )
-                await_transfer(notice, watch={}, timeout_s=timeout, what="the abort notice")
-                raise _AlignedFailure(error) from error
-            head = header(k, HEADER_OK, self.device)
-            what = f"the broadcast of bucket {k}"
-            in_flight[slot] = [
-                work_future(group.broadcast(head), what),
-                work_future(group.broadcast(out), what),
-            ]
-            keep_alive[slot] = [head, out]
-            tracker.chunk_moved(bucket.nbytes)
-        if not plan.buckets:
-            for _ in pairs:
-                pass
-        for slot in range(nb):
-            settle(slot, "the last broadcasts")
-
-    def _tear_down(self) -> None:
-        """Drop a group whose collectives may be misaligned; later rounds refuse to run."""
-        if self.group is not None:
-            self.group.abort()
-            self.group = None
+    def _abort_at(self, k: int, window: SendWindow, transfer: Transfer) -> None:
+        """Tell every worker the round ends at bucket `k` (after the sends in flight)."""
+        window.drain("the broadcasts before the abort notice")
+        group = self.channel.require()
+        notice = work_future(
+            group.broadcast(header(k, HEADER_ABORT, self.device)), "the abort notice"
+        )
+        transfer.wait(notice, "the abort notice")
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        self.channel.close()
         self._buffers.release()
 
 
-class _AlignedFailure(Exception):
-    """The round failed, but every collective matched: the group can carry the next round."""
+class _Packer:
+    """Copies the pieces of consecutive buckets out of the checked source pairs."""
 
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
+    def __init__(self, pairs: Iterator[tuple[ParamMeta, torch.Tensor]]) -> None:
+        self.pairs = pairs
+        self.current: torch.Tensor | None = None  # bytes of the parameter being packed
 
+    def pack(self, bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
+        for piece in bucket.pieces:
+            if piece.start == 0:
+                self.current = as_bytes(next(self.pairs)[1])
+            assert self.current is not None
+            out[piece.offset : piece.offset + piece.nbytes].copy_(
+                self.current[piece.start : piece.start + piece.nbytes]
+            )
+        return out
 
-def _wait_quietly(future: Future[None], timeout_s: float) -> None:
-    """Wait for `future` at most `timeout_s`, ignoring its outcome."""
-    with contextlib.suppress(Exception):
-        await_transfer(future, watch={}, timeout_s=timeout_s, what="the workers' rollback")
+    def exhaust(self) -> None:
+        """Run the source to its end (the check for an extra parameter runs there)."""
+        for _ in self.pairs:
+            pass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_transfer.transport.dtypes import dtype_name
+from weight_transfer.backend import dtype_name
 
 __all__ = ["INDEX_DTYPES", "SparseWeightPatch", "check_indices", "check_patches"]
 

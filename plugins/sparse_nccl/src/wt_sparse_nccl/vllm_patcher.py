@@ -66,8 +66,7 @@ from typing import Any
 
 import torch
 
-from weight_transfer.loading import is_vllm_config, loader_for
-from weight_transfer.source import layer_key, layerwise_groups
+from weight_transfer.backend import is_vllm_config, layer_key, layerwise_groups, loader_for
 
 __all__ = ["CheckpointMirror", "MirrorPatcher", "vllm_patcher"]
 

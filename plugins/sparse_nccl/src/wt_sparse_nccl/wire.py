@@ -22,10 +22,13 @@ from typing import Literal
 
 import torch
 
-from weight_transfer.base import WeightTransferUpdateInfo
-from weight_transfer.transport.dtypes import dtype_from_name, dtype_name
-from weight_transfer.transport.packing import as_bytes
-from weight_transfer.transport.rendezvous import GroupInitInfo
+from weight_transfer.backend import (
+    GroupInitInfo,
+    WeightTransferUpdateInfo,
+    as_bytes,
+    dtype_from_name,
+    dtype_name,
+)
 from wt_sparse_nccl.patch import INDEX_DTYPES, SparseWeightPatch
 
 __all__ = [

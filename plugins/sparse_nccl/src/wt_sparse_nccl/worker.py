@@ -33,10 +33,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from weight_transfer.base import WeightTransferEngine
-from weight_transfer.loading import is_vllm_config
-from weight_transfer.transport.group import StatelessGroup
-from weight_transfer.transport.rendezvous import join_group
+from weight_transfer.backend import (
+    GroupChannel,
+    StatelessGroup,
+    WeightTransferEngine,
+    is_vllm_config,
+    join_group,
+)
 from wt_sparse_nccl.patch import SparseWeightPatch, check_indices
 from wt_sparse_nccl.wire import (
     SparseNCCLInitInfo,
@@ -201,7 +204,11 @@ def patcher_for(model: torch.nn.Module, vllm_config: Any) -> SparsePatcher:
 
 
 class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCLUpdateInfo]):
-    """Receives patch batches from trainer rank 0; see the module doc."""
+    """Receives patch batches from trainer rank 0; see the module doc.
+
+    The round's transaction is the model's `SparsePatcher` (`new_transaction`),
+    which core's base class begins, commits and aborts.
+    """
 
     init_info_cls = SparseNCCLInitInfo
     update_info_cls = SparseNCCLUpdateInfo
@@ -215,47 +222,24 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
         model: torch.nn.Module,
     ) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.group: StatelessGroup | None = None
-        self.patcher: SparsePatcher | None = None
-        self._no_group_reason = "init_weight_transfer_engine has not run"
-        self._receiving = False
+        self.channel = GroupChannel("sparse_nccl", remedy="the trainer must run trainer_init again")
 
     def init_transfer_engine(self, init_info: SparseNCCLInitInfo) -> None:
-        if self.group is not None:
-            self.group.abort()  # the old group may be out of step; never wait on it
-            self.group = None
-        self._no_group_reason = "the last init_weight_transfer_engine failed"
-        self.group = join_group(init_info, self.position, self.device)
+        self.channel.drop("the last init_weight_transfer_engine failed")
+        self.channel.connect(join_group(init_info, self.position, self.device))
+
+    def new_transaction(self) -> SparsePatcher:
+        return patcher_for(self.model, self.vllm_config)
 
     def start_weight_update(self) -> None:
-        patcher = patcher_for(self.model, self.vllm_config)
-        patcher.begin()
-        self.patcher = patcher
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        """As the base; a failure before the batch was fully received also tears
-        the group down (it would be out of step with the trainer)."""
-        self._receiving = True
-        try:
-            super().update_weights(update_info)
-        except BaseException as e:
-            if self._receiving and self.group is not None:
-                self.group.abort()
-                self.group = None
-                self._no_group_reason = (
-                    f"it was torn down after a batch failed before it was fully received "
-                    f"({type(e).__name__}: {e})"
-                )
-            raise
-        finally:
-            self._receiving = False
+        """Nothing beyond core's transaction (the patcher has begun)."""
 
     def receive_weights(self, update_info: SparseNCCLUpdateInfo) -> None:
-        patches = self._receive(update_info)
-        self._receiving = False
-        patcher = self.patcher
-        if patcher is None:
-            raise RuntimeError("sparse_nccl: update_weights before start_weight_update")
+        """Receive the whole batch, check it whole, then apply it."""
+        patcher = self.transaction
+        assert isinstance(patcher, SparsePatcher)
+        with self.channel.on_wire("receiving a sparse batch") as group:
+            patches = self._receive(update_info, group)
         for i, patch in enumerate(patches):
             where = f"sparse_nccl: patch {i} ({patch.name!r})"
             check_indices(patch.indices, patch.numel, where)
@@ -263,23 +247,19 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
         for patch in patches:
             patcher.apply(patch)
 
-    def _receive(self, info: SparseNCCLUpdateInfo) -> list[SparseWeightPatch]:
-        if self.group is None:
-            raise RuntimeError(
-                f"sparse_nccl: no transfer group ({self._no_group_reason}); "
-                "the trainer must run trainer_init again"
-            )
+    def _receive(
+        self, info: SparseNCCLUpdateInfo, group: StatelessGroup
+    ) -> list[SparseWeightPatch]:
         n = len(info.names)
-        wire_device = self.group.device
         tensors: dict[str, list[torch.Tensor | None]] = {
             "indices": [None] * n,
             "values": [None] * n,
         }
-        for group in wire_groups(info):
-            buffer = torch.empty(group.nbytes, dtype=torch.uint8, device=wire_device)
-            self.group.broadcast(buffer, src=0).wait(timedelta(seconds=self.group.timeout_s))
-            for i, part in zip(group.members, unpack_group(group, buffer), strict=True):
-                tensors[group.kind][i] = part
+        for wire_group in wire_groups(info):
+            buffer = torch.empty(wire_group.nbytes, dtype=torch.uint8, device=group.device)
+            group.broadcast(buffer, src=0).wait(timedelta(seconds=group.timeout_s))
+            for i, part in zip(wire_group.members, unpack_group(wire_group, buffer), strict=True):
+                tensors[wire_group.kind][i] = part
         patches = []
         for i, name in enumerate(info.names):
             indices = tensors["indices"][i]
@@ -290,12 +270,12 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
                     indices=(
                         indices
                         if indices is not None
-                        else torch.empty(0, dtype=info.index_dtypes[i], device=wire_device)
+                        else torch.empty(0, dtype=info.index_dtypes[i], device=group.device)
                     ),
                     values=(
                         values
                         if values is not None
-                        else torch.empty(0, dtype=info.values_dtypes[i], device=wire_device)
+                        else torch.empty(0, dtype=info.values_dtypes[i], device=group.device)
                     ),
                     full_shape=tuple(info.shapes[i]),
                 )
@@ -303,17 +283,7 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
         return patches
 
     def finish_weight_update(self) -> None:
-        if self.patcher is not None:
-            self.patcher.commit()
-            self.patcher = None
-
-    def abort_weight_update(self) -> None:
-        if self.patcher is not None:
-            self.patcher.abort()
-            self.patcher = None
+        """Nothing beyond core's transaction (the patcher commits)."""
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-        self._no_group_reason = "the engine was shut down"
+        self.channel.close()

@@ -1,6 +1,6 @@
 """Sync speed into a live vLLM, side by side with the alternatives, in one run.
 
-`python -m weight_transfer.vllm.bench` (also `nox -s bench`) builds a Llama of
+`python -m wt_tools.bench` (also `nox -s bench`) builds a Llama of
 about 1 GiB in float32 (hidden 1024, 16 layers; `--layers` changes the size),
 starts vLLM on it in-process, and times, interleaved over `--repeats` rounds:
 
@@ -37,7 +37,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch
 
-from weight_transfer.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama, tiny_llama
+from wt_tools.tiny_model import TinyLlamaSpec, build_tiny_llama, tiny_llama
 
 
 def _greedy(llm: Any, prompt: str) -> list[int]:

@@ -1,6 +1,6 @@
 """Train, sync, verify: a trainer and a live vLLM engine in one process.
 
-    python -m weight_transfer.vllm.demo [--backend nccl] [--steps 4] [--size tiny|large]
+    python -m wt_tools.demo [--backend nccl] [--steps 4] [--size tiny|large]
     wt demo ...
 
 1. Builds a small random Llama checkpoint locally (no hub access).
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         WeightTransferTrainerFactory,
         list_backends,
     )
-    from weight_transfer.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
+    from wt_tools.tiny_model import TinyLlamaSpec, build_tiny_llama
 
     found = list_backends()
     if args.backend not in found["trainer"] or args.backend not in found["engine"]:

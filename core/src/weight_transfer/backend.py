@@ -1,0 +1,175 @@
+"""Everything a backend distribution imports from wt-core, in one place.
+
+A backend is two engines: a trainer engine (its transmit step) and a worker
+engine (its receive step). Core owns the rest: the round on both sides, the
+transaction around the model, the hooks, the shared transport pieces. Import
+from here; the submodules behind these names may move.
+
+Trainer side
+    `TrainerInitInfo`, `TrainerWeightTransferEngine` (the spec's ABC, whose
+    `open_round` drives a round), `ResyncTrainerEngine` (full resync: supply
+    `transmit`), `Transfer`, `TrainerRound`, `RoundClient`, `AlignedFailure`,
+    `checked_iteration`, `track_sync` / `SyncTracker` (for rounds driven by
+    hand).
+
+Worker side
+    `WeightTransferEngine` (the transaction lives in its base class),
+    `WeightTransferInitInfo`, `WeightTransferUpdateInfo`,
+    `ParamListUpdateInfo` / `param_list_payload` (the shared per-round
+    parameter list), `WeightLoader` / `Transaction` / `DirectLoader` /
+    `loader_for` / `register_loader_provider`, `is_vllm_config`,
+    `WorkerPosition` / `worker_position`.
+
+Payloads
+    `parse_payload` / `payload_of` (dataclass <-> JSON-safe dict, errors name
+    the field), `UpdatePayload`, the dtype codec (`dtype_name`,
+    `dtype_from_name`, `WIRE_DTYPES`), the wire-protocol declaration
+    (`WireProtocolInfo`, `WIRE_PROTOCOL_VERSION`, `ProtocolMismatchError`).
+
+Transport
+    Groups: `StatelessGroup`, `GroupChannel` / `ChannelDownError`,
+    `GroupTrainerFields`, `GroupInitInfo`, `trainer_rendezvous`, `join_group`,
+    `free_port`. Layout: `plan_buckets`, `BucketPlan`, `Bucket`, `Piece`,
+    `as_bytes`, `RotatingBuffers`, `Unpacker`. Streaming: `SendWindow`,
+    `LoadPipeline`, `LoadFailed`. Waiting: `in_background`, `await_transfer`,
+    `wait_for`, `work_future`, `all_settle`, `PEER_GRACE_S`, `CollectiveError`,
+    `TransferTimeout`.
+"""
+
+from __future__ import annotations
+
+from weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    UpdatePayload,
+    VLLMWeightSyncClient,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+    synchronize_device,
+)
+from weight_transfer.hooks import SyncTracker, track_sync
+from weight_transfer.loading import (
+    DirectLoader,
+    Transaction,
+    WeightLoader,
+    is_vllm_config,
+    loader_for,
+    register_loader_provider,
+)
+from weight_transfer.payload import parse_payload, payload_of
+from weight_transfer.position import WorkerPosition, worker_position
+from weight_transfer.resync import ParamListUpdateInfo, ResyncTrainerEngine, param_list_payload
+from weight_transfer.rounds import AlignedFailure, RoundClient, TrainerRound, Transfer
+from weight_transfer.source import (
+    ParamMeta,
+    WeightSource,
+    checked_iteration,
+    layer_key,
+    layerwise_groups,
+)
+from weight_transfer.transport.channel import ChannelDownError, GroupChannel
+from weight_transfer.transport.dtypes import WIRE_DTYPES, dtype_from_name, dtype_name
+from weight_transfer.transport.futures import (
+    PEER_GRACE_S,
+    CollectiveError,
+    TransferTimeout,
+    all_settle,
+    await_transfer,
+    in_background,
+    wait_for,
+    work_future,
+)
+from weight_transfer.transport.group import StatelessGroup, free_port
+from weight_transfer.transport.packing import (
+    Bucket,
+    BucketPlan,
+    Piece,
+    RotatingBuffers,
+    Unpacker,
+    as_bytes,
+    plan_buckets,
+)
+from weight_transfer.transport.rendezvous import (
+    GroupInitInfo,
+    GroupTrainerFields,
+    join_group,
+    trainer_rendezvous,
+)
+from weight_transfer.transport.stream import LoadFailed, LoadPipeline, SendWindow
+from weight_transfer.transport.wire import (
+    WIRE_PROTOCOL_VERSION,
+    ProtocolMismatchError,
+    WireProtocolInfo,
+)
+
+__all__ = [
+    # trainer side
+    "TrainerInitInfo",
+    "TrainerWeightTransferEngine",
+    "ResyncTrainerEngine",
+    "TrainerRound",
+    "Transfer",
+    "RoundClient",
+    "AlignedFailure",
+    "VLLMWeightSyncClient",
+    "WeightSource",
+    "ParamMeta",
+    "checked_iteration",
+    "layerwise_groups",
+    "layer_key",
+    "track_sync",
+    "SyncTracker",
+    # worker side
+    "WeightTransferEngine",
+    "WeightTransferInitInfo",
+    "WeightTransferUpdateInfo",
+    "ParamListUpdateInfo",
+    "param_list_payload",
+    "Transaction",
+    "WeightLoader",
+    "DirectLoader",
+    "loader_for",
+    "register_loader_provider",
+    "is_vllm_config",
+    "WorkerPosition",
+    "worker_position",
+    "synchronize_device",
+    # payloads
+    "UpdatePayload",
+    "parse_payload",
+    "payload_of",
+    "WIRE_DTYPES",
+    "dtype_name",
+    "dtype_from_name",
+    "WireProtocolInfo",
+    "WIRE_PROTOCOL_VERSION",
+    "ProtocolMismatchError",
+    # transport
+    "StatelessGroup",
+    "free_port",
+    "GroupChannel",
+    "ChannelDownError",
+    "GroupTrainerFields",
+    "GroupInitInfo",
+    "trainer_rendezvous",
+    "join_group",
+    "plan_buckets",
+    "BucketPlan",
+    "Bucket",
+    "Piece",
+    "as_bytes",
+    "RotatingBuffers",
+    "Unpacker",
+    "SendWindow",
+    "LoadPipeline",
+    "LoadFailed",
+    "in_background",
+    "await_transfer",
+    "wait_for",
+    "work_future",
+    "all_settle",
+    "PEER_GRACE_S",
+    "CollectiveError",
+    "TransferTimeout",
+]

@@ -1,0 +1,139 @@
+"""Full-resync backends: the whole model every round, from a fixed `WeightSource`.
+
+`ResyncTrainerEngine` is the trainer side with the round written once. A
+backend subclasses it and supplies its transmit step; `send_weights` does the
+rest on every rank:
+
+1. `metadata()` on every rank (it may be a collective); a non-sender then
+   iterates the source (staying in its trainer-side collectives) and returns;
+2. `check_ready()` and `num_chunks(metas)`, before any call reaches the
+   workers, so a refused plan leaves nothing open;
+3. `open_round` (`start_weight_update`, hooks), then `update_weights(
+   update_info(metas))` in flight while `transmit(metas, pairs, transfer)`
+   moves the bytes; `pairs` is the source's iteration checked against its
+   metadata (`checked_iteration`: the first disagreement raises naming the
+   parameter before it reaches the wire);
+4. the workers' answer, then `finish_weight_update(weight_version)`.
+
+`ParamListUpdateInfo` is the per-round update info most full-resync backends
+need (names, wire dtype names and shapes, in metadata order).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightTransferUpdateInfo,
+)
+from weight_transfer.rounds import Transfer
+from weight_transfer.source import ParamMeta, checked_iteration
+from weight_transfer.transport.dtypes import dtype_from_name, dtype_name
+
+__all__ = ["ResyncTrainerEngine", "ParamListUpdateInfo", "param_list_payload"]
+
+TInfo = TypeVar("TInfo", bound=TrainerInitInfo)
+
+
+def param_list_payload(metas: list[ParamMeta]) -> dict[str, Any]:
+    """The `ParamListUpdateInfo` fields of `metas`, JSON-safe."""
+    return {
+        "names": [m.name for m in metas],
+        "dtype_names": [dtype_name(m.dtype) for m in metas],
+        "shapes": [list(m.shape) for m in metas],
+    }
+
+
+@dataclass
+class ParamListUpdateInfo(WeightTransferUpdateInfo):
+    """Per-round metadata: the parameters in wire order; `metas` is the decoded list.
+
+    Lists of different lengths, a negative dimension or a dtype outside the
+    allowlist raise `ValueError` naming the field and index.
+    """
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    metas: list[ParamMeta] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("dtype_names", "shapes"):
+            if len(getattr(self, name)) != len(self.names):
+                raise ValueError(
+                    f"update_info: field {name!r} has {len(getattr(self, name))} entries, "
+                    f"'names' has {len(self.names)}"
+                )
+        for i, shape in enumerate(self.shapes):
+            if any(d < 0 for d in shape):
+                raise ValueError(f"update_info: field 'shapes[{i}]' has a negative dimension")
+        self.metas = [
+            ParamMeta(n, dtype_from_name(d, field=f"dtype_names[{i}]"), tuple(s))
+            for i, (n, d, s) in enumerate(
+                zip(self.names, self.dtype_names, self.shapes, strict=True)
+            )
+        ]
+
+
+class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):
+    """A full-resync trainer engine: the backend supplies `transmit`; see the module doc."""
+
+    def send_weights(self, weight_version: str | None = None) -> None:
+        """One full round; returns with nothing in flight.
+
+        `weight_version` labels the new weights; the workers commit it in the
+        same `finish_weight_update` that commits the weights.
+        """
+        source = self.source
+        if source is None:
+            raise ValueError(f"{self.backend} is a full-resync backend: it needs a WeightSource")
+        metas = source.metadata()
+        if not self.is_sender:
+            for _ in source:
+                pass
+            return
+        self.check_ready()
+        num_chunks = self.num_chunks(metas)
+        round_ = self.open_round(
+            num_params=len(metas),
+            total_bytes=sum(m.nbytes for m in metas),
+            num_chunks=num_chunks,
+        )
+        round_.update(
+            self.update_info(metas),
+            lambda transfer: self.transmit(metas, checked_iteration(metas, source), transfer),
+        )
+        round_.finish(weight_version)
+
+    def check_ready(self) -> None:
+        """Raise if the channel cannot carry a round (before anything is called)."""
+
+    def num_chunks(self, metas: list[ParamMeta]) -> int:
+        """How many chunks `transmit` will report; may validate the plan (raise to refuse)."""
+        return len(metas)
+
+    def update_info(self, metas: list[ParamMeta]) -> dict[str, Any]:
+        """The round's update info; by default `param_list_payload(metas)`."""
+        return param_list_payload(metas)
+
+    @abstractmethod
+    def transmit(
+        self,
+        metas: list[ParamMeta],
+        pairs: Iterator[tuple[ParamMeta, torch.Tensor]],
+        transfer: Transfer,
+    ) -> None:
+        """Move every tensor of `pairs` (checked against `metas`) to the workers.
+
+        Exhaust `pairs` (the check for an extra tensor runs at its end), wait
+        through `transfer.wait` and report chunks with `transfer.chunk_moved`.
+        Return only when nothing is in flight. Raise `AlignedFailure(error)`
+        when the round failed but the workers stopped at the same point.
+        """

@@ -1,0 +1,191 @@
+"""The trainer's side of a round: the sender's client, the transfer, the round.
+
+Core drives every round the same way, whatever the backend:
+
+    round = engine.open_round(...)          # start_weight_update; hooks: started
+    round.update(update_info, transmit)     # update_weights in flight while
+                                            # transmit(transfer) moves the bytes
+    round.finish(weight_version)            # waits for update_weights, then
+                                            # finish_weight_update(weight_version)
+
+Rules every round keeps, so no backend has to:
+
+- `update_weights` runs on a daemon thread while the backend transmits
+  (`RoundClient`); the workers' answer is awaited only on the success path,
+  at most `timeout_s`. On an error path nothing waits on a control-plane call:
+  the error is raised at once, and the next round's `start_weight_update`
+  first lets the old call end (bounded).
+- A transmit step watches the call through `Transfer.wait`, so a worker that
+  fails surfaces its own error at once rather than after a transport timeout.
+- A transmit step that ended the round in step with the workers (an in-band
+  abort notice, say) raises `AlignedFailure(error)`; the round raises `error`.
+- Hooks: `wt_sync_started` once the round is open, `wt_chunk_moved` per
+  `Transfer.chunk_moved`, then `wt_sync_finished` or `wt_sync_failed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from weight_transfer.hooks import SyncTracker
+from weight_transfer.transport.futures import await_transfer, in_background
+
+__all__ = ["RoundClient", "Transfer", "AlignedFailure", "TrainerRound", "DEFAULT_TIMEOUT_S"]
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 300.0
+UPDATE_CALL = "the workers' update_weights"
+
+
+class RoundClient:
+    """The caller's `VLLMWeightSyncClient` as a trainer engine uses it.
+
+    `update_weights` starts the call on a daemon thread and returns, so the
+    backend can transmit while the workers receive; `pending` is that call.
+    The next `update_weights` or `finish_weight_update` first waits for it (at
+    most `timeout_s`) and raises its error. `start_weight_update` first lets a
+    call left over from a failed round end, bounded, ignoring its outcome (it
+    belonged to that round). Other attributes are the caller's client's.
+    """
+
+    def __init__(self, client: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.inner = client
+        self.timeout_s = timeout_s
+        self.pending: Future[None] | None = None
+        self._leftover: Future[None] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.inner.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        leftover, self._leftover = self._leftover, None
+        if leftover is not None:
+            with contextlib.suppress(Exception):
+                leftover.exception(timeout=self.timeout_s)
+        self.inner.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.wait_update()
+        self.pending = in_background(
+            lambda: self.inner.update_weights(update_info), name="wt-update-rpc"
+        )
+
+    def wait_update(self) -> None:
+        """Wait for the call in flight (at most `timeout_s`); raise its error."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            await_transfer(pending, watch={}, timeout_s=self.timeout_s, what=UPDATE_CALL)
+        except BaseException:
+            self._leftover = pending
+            raise
+
+    def abandon(self) -> None:
+        """Forget the call in flight without waiting (an error path); the next start lets it end."""
+        if self.pending is not None:
+            self._leftover, self.pending = self.pending, None
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.wait_update()
+        if weight_version is None:
+            self.inner.finish_weight_update()
+        else:
+            self.inner.finish_weight_update(weight_version)
+
+
+class AlignedFailure(Exception):
+    """The round failed, but trainer and workers stopped at the same point.
+
+    Raised by a transmit step (or a transport piece) that ended the round in
+    step with the workers: the channel can carry the next round. The round
+    raises `error` in its place.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass
+class Transfer:
+    """What one `update` hands the backend's transmit step."""
+
+    timeout_s: float
+    tracker: SyncTracker
+    watch: Mapping[str, Future[Any]] = field(default_factory=dict)
+
+    def wait(self, future: Future[T], what: str) -> T:
+        """`future`'s result, at most `timeout_s`; a failed worker call raises at once."""
+        return await_transfer(future, watch=self.watch, timeout_s=self.timeout_s, what=what)
+
+    def worker_error(self, within_s: float = 0.0) -> BaseException | None:
+        """The workers' error if their `update_weights` fails within `within_s`, else None."""
+        deadline = time.monotonic() + within_s
+        for future in self.watch.values():
+            with contextlib.suppress(FutureTimeout):
+                error = future.exception(timeout=max(0.0, deadline - time.monotonic()))
+                if error is not None:
+                    return error
+        return None
+
+    def chunk_moved(self, nbytes: int) -> None:
+        self.tracker.chunk_moved(nbytes)
+
+
+class TrainerRound:
+    """One open round on the inference side; see the module docstring.
+
+    Any failure ends the round (hooks: `wt_sync_failed`); later calls raise.
+    """
+
+    def __init__(self, client: RoundClient, tracker: SyncTracker, timeout_s: float) -> None:
+        self.client = client
+        self.tracker = tracker
+        self.timeout_s = timeout_s
+        self.closed = False
+
+    def _guard(self, step: Callable[[], T]) -> T:
+        if self.closed:
+            raise RuntimeError("this round has ended; open a new one")
+        try:
+            return step()
+        except AlignedFailure as failed:
+            self._fail(failed.error)
+            raise failed.error from None
+        except BaseException as error:
+            self._fail(error)
+            raise
+
+    def _fail(self, error: BaseException) -> None:
+        self.closed = True
+        self.client.abandon()
+        self.tracker.fail(error)
+
+    def update(self, update_info: Any, transmit: Callable[[Transfer], None]) -> None:
+        """`update_weights(update_info)` while `transmit` moves its bytes; then its answer."""
+
+        def step() -> None:
+            self.client.update_weights(update_info)
+            assert self.client.pending is not None
+            transmit(Transfer(self.timeout_s, self.tracker, {UPDATE_CALL: self.client.pending}))
+            self.client.wait_update()
+
+        self._guard(step)
+
+    def finish(self, weight_version: str | None = None) -> None:
+        """`finish_weight_update(weight_version)`: the workers commit weights and label."""
+        self._guard(lambda: self.client.finish_weight_update(weight_version))
+        self.closed = True
+        self.tracker.weight_version = weight_version
+        self.tracker.finish()
