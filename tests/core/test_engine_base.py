@@ -339,7 +339,7 @@ def test_direct_loader_copies_into_a_plain_module_by_name() -> None:
 
 def test_a_module_that_cannot_be_loaded_is_refused_at_start() -> None:
     engine = EchoEngine(WeightTransferConfig("echo"), None, "cpu", torch.nn.ReLU())
-    with pytest.raises(TypeError, match="ReLU has neither load_weights.*nor parameters"):
+    with pytest.raises(TypeError, match=r"ReLU has neither load_weights.*nor parameters"):
         engine.start_weight_update()
     assert not engine.round_open
 
