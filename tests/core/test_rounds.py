@@ -138,7 +138,9 @@ def _rig(
     model = LoadingNet()
     worker = MemoryWorker(WeightTransferConfig("memory"), None, "cpu", model)
     client = Answering(WorkerSession(worker), delay_s)
-    trainer = trainer_cls.trainer_init(MemoryTrainerInfo(rank=rank), client=client)
+    trainer = trainer_cls.trainer_init(
+        MemoryTrainerInfo(rank=rank), client=client, source=ModuleSource(ExampleNet(seed=0))
+    )  # each test sets the source it sends
     assert isinstance(trainer, MemoryTrainer)
     trainer.wire = worker.wire = {}
     return trainer, client, model

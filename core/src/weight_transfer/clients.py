@@ -73,7 +73,8 @@ class _PausingClient:
     """The round's pause / resume policy, shared by the built-in clients (see the module doc).
 
     A subclass supplies `_call(method, *args, **kwargs)` (raising
-    `WeightSyncRPCError`), `_pause(mode)`, `_resume()` and `_reset_prefix_cache()`.
+    `WeightSyncRPCError`), `_pause(mode)` and `_resume()`; the HTTP client also
+    its own init, update, finish and prefix-cache reset.
     """
 
     pause: PauseMode | None
@@ -94,9 +95,6 @@ class _PausingClient:
         raise NotImplementedError
 
     def _resume(self) -> None:
-        raise NotImplementedError
-
-    def _reset_prefix_cache(self) -> None:
         raise NotImplementedError
 
     def pause_generation(self, mode: PauseMode = "keep") -> None:
@@ -150,11 +148,22 @@ class _PausingClient:
         if self.pause is not None:
             self._resume()
 
+    # The engine's own methods, for clients whose `_call` reaches an `LLM` /
+    # `AsyncLLM` object; init and update travel as vLLM's request objects.
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", WeightTransferInitRequest(init_info=init_info))
+
     def _call_update(self, update_info: UpdatePayload) -> None:
-        raise NotImplementedError
+        self._call("update_weights", WeightTransferUpdateRequest(update_info=update_info))
 
     def _call_finish(self, weight_version: str | None) -> None:
-        raise NotImplementedError
+        if weight_version is None:
+            self._call("finish_weight_update")
+        else:
+            self._call("finish_weight_update", weight_version=weight_version)
+
+    def _reset_prefix_cache(self) -> None:
+        self._call("reset_prefix_cache")
 
 
 class HTTPVLLMWeightSyncClient(_PausingClient):
@@ -348,18 +357,6 @@ class RayVLLMWeightSyncClient(_PausingClient):
             [("resume_generation", {}), ("wake_up", {"tags": ["scheduling"]})],
         )
 
-    def _reset_prefix_cache(self) -> None:
-        self._call("reset_prefix_cache")
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._call("init_weight_transfer_engine", WeightTransferInitRequest(init_info=init_info))
-
-    def _call_update(self, update_info: UpdatePayload) -> None:
-        self._call("update_weights", WeightTransferUpdateRequest(update_info=update_info))
-
-    def _call_finish(self, weight_version: str | None) -> None:
-        self._call("finish_weight_update", weight_version=weight_version)
-
 
 class LocalVLLMWeightSyncClient(_PausingClient):
     """An in-process `vllm.LLM` (or anything exposing its four RL methods).
@@ -392,18 +389,3 @@ class LocalVLLMWeightSyncClient(_PausingClient):
     def _resume(self) -> None:
         if callable(getattr(self.llm, "wake_up", None)):
             self._call("wake_up", tags=["scheduling"])
-
-    def _reset_prefix_cache(self) -> None:
-        self._call("reset_prefix_cache")
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._call("init_weight_transfer_engine", WeightTransferInitRequest(init_info=init_info))
-
-    def _call_update(self, update_info: UpdatePayload) -> None:
-        self._call("update_weights", WeightTransferUpdateRequest(update_info=update_info))
-
-    def _call_finish(self, weight_version: str | None) -> None:
-        if weight_version is None:
-            self._call("finish_weight_update")
-        else:
-            self._call("finish_weight_update", weight_version=weight_version)

@@ -31,10 +31,11 @@ import torch
 from weight_transfer.base import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
     WeightTransferUpdateInfo,
 )
-from weight_transfer.rounds import Transfer
-from weight_transfer.source import ParamMeta, checked_iteration
+from weight_transfer.rounds import DEFAULT_TIMEOUT_S, Transfer
+from weight_transfer.source import ParamMeta, WeightSource, checked_iteration
 from weight_transfer.transport.dtypes import dtype_from_name, dtype_name
 
 __all__ = ["ResyncTrainerEngine", "ParamListUpdateInfo", "param_list_payload"]
@@ -83,7 +84,26 @@ class ParamListUpdateInfo(WeightTransferUpdateInfo):
 
 
 class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):
-    """A full-resync trainer engine: the backend supplies `transmit`; see the module doc."""
+    """A full-resync trainer engine: the backend supplies `transmit`; see the module doc.
+
+    Construction refuses a missing `source` (`ValueError`): a full resync
+    re-reads the same source every round.
+    """
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None,
+        is_sender: bool = True,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if source is None:
+            raise ValueError(
+                f"{self.init_info_cls.backend} is a full-resync backend: trainer_init needs "
+                "a WeightSource"
+            )
+        super().__init__(client=client, source=source, is_sender=is_sender, timeout_s=timeout_s)
 
     def send_weights(self, weight_version: str | None = None) -> None:
         """One full round; returns with nothing in flight.
@@ -92,8 +112,7 @@ class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):
         same `finish_weight_update` that commits the weights.
         """
         source = self.source
-        if source is None:
-            raise ValueError(f"{self.backend} is a full-resync backend: it needs a WeightSource")
+        assert source is not None
         metas = source.metadata()
         if not self.is_sender:
             for _ in source:

@@ -125,9 +125,14 @@ class Transfer:
     tracker: SyncTracker
     watch: Mapping[str, Future[Any]] = field(default_factory=dict)
 
-    def wait(self, future: Future[T], what: str) -> T:
-        """`future`'s result, at most `timeout_s`; a failed worker call raises at once."""
-        return await_transfer(future, watch=self.watch, timeout_s=self.timeout_s, what=what)
+    def wait(self, future: Future[T], what: str, *, watching: bool = True) -> T:
+        """`future`'s result, at most `timeout_s`; a failed worker call raises at once.
+
+        `watching=False` ignores the workers' call: for a send whose purpose is
+        to make them fail (an abort notice), their error is the expected answer.
+        """
+        watch = self.watch if watching else {}
+        return await_transfer(future, watch=watch, timeout_s=self.timeout_s, what=what)
 
     def worker_error(self, within_s: float = 0.0) -> BaseException | None:
         """The workers' error if their `update_weights` fails within `within_s`, else None."""

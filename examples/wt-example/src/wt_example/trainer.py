@@ -44,7 +44,7 @@ class FileTrainerEngine(ResyncTrainerEngine[FileTrainerInitInfo]):
         self,
         *,
         client: VLLMWeightSyncClient,
-        source: WeightSource,
+        source: WeightSource | None,
         is_sender: bool,
         info: FileTrainerInitInfo,
     ) -> None:
@@ -62,8 +62,6 @@ class FileTrainerEngine(ResyncTrainerEngine[FileTrainerInitInfo]):
         client: VLLMWeightSyncClient,
         source: WeightSource | None = None,
     ) -> FileTrainerEngine:
-        if source is None:
-            raise ValueError("example_file is a full-resync backend: pass a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
         if engine.is_sender:
             os.makedirs(init_info.directory, exist_ok=True)
