@@ -385,3 +385,18 @@ def test_a_start_over_an_open_round_rolls_the_old_one_back() -> None:
     engine.finish_weight_update()
     assert torch.equal(engine.model.a, torch.zeros(3))
     assert torch.equal(engine.model.b, torch.full((2, 2), 2.0))
+
+
+def test_the_host_ending_a_round_without_finish_rolls_it_back() -> None:
+    # vLLM's worker calls reset_weight_update_target after any failed update,
+    # also one that failed before the engine was called.
+    engine = _engine()
+    engine.start_weight_update()
+    engine.loader.load([("a", torch.full((3,), 4.0))])
+    engine.reset_weight_update_target()
+    assert torch.equal(engine.model.a, torch.zeros(3)) and not engine.round_open
+    engine.start_weight_update()
+    engine.update_weights({"names": ["a"], "values": [1.0]})
+    engine.finish_weight_update()
+    engine.reset_weight_update_target()  # after a finish: nothing to undo
+    assert torch.equal(engine.model.a, torch.ones(3))

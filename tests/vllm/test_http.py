@@ -385,3 +385,27 @@ def test_http_twenty_syncs_under_a_steady_stream_of_completions(
     finally:
         trainer.shutdown()
         http.close()
+
+
+def test_http_an_update_vllm_refuses_before_the_engine_keeps_the_engine_servable(
+    server: Server, references: References, tmp_path: Any
+) -> None:
+    """`{"update_info": []}` raises in vLLM's worker before wt's engine is called;
+    vLLM then ends its round, and the engine rolls its own back with it."""
+    http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    source = SwitchSource(ModuleSource(hf_model(2)))
+    trainer = connect(BACKEND, http, source, str(tmp_path))
+    try:
+        trainer.send_weights()
+        http.start_weight_update()
+        with pytest.raises(WeightSyncRPCError) as refused:
+            http.update_weights([])
+        assert refused.value.method == "update_weights"
+        assert not http.is_paused()  # the round is over: the client resumed
+        assert server.generate() == references.outputs(2)
+        source.inner = ModuleSource(hf_model(3))
+        trainer.send_weights()
+        assert server.generate() == references.outputs(3)
+    finally:
+        trainer.shutdown()
+        http.close()

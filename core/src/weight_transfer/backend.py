@@ -26,6 +26,11 @@ Payloads
     `dtype_from_name`, `WIRE_DTYPES`), the wire-protocol declaration
     (`WireProtocolInfo`, `WIRE_PROTOCOL_VERSION`, `ProtocolMismatchError`).
 
+Limits
+    `check_timeout`, `check_int_range`, `check_staging`, `check_declared`,
+    `host_memory_bytes`, `MAX_TIMEOUT_S`, `MAX_BUFFERS`: refusals that name the
+    field, the value and the limit.
+
 Transport
     Groups: `StatelessGroup`, `GroupChannel` / `ChannelDownError`,
     `GroupTrainerFields`, `GroupInitInfo`, `trainer_rendezvous`, `join_group`,
@@ -49,6 +54,15 @@ from weight_transfer.base import (
     synchronize_device,
 )
 from weight_transfer.hooks import SyncTracker, track_sync
+from weight_transfer.limits import (
+    MAX_BUFFERS,
+    MAX_TIMEOUT_S,
+    check_declared,
+    check_int_range,
+    check_staging,
+    check_timeout,
+    host_memory_bytes,
+)
 from weight_transfer.loading import (
     DirectLoader,
     Transaction,
@@ -145,6 +159,14 @@ __all__ = [
     "WireProtocolInfo",
     "WIRE_PROTOCOL_VERSION",
     "ProtocolMismatchError",
+    # limits
+    "MAX_TIMEOUT_S",
+    "MAX_BUFFERS",
+    "check_timeout",
+    "check_int_range",
+    "check_staging",
+    "check_declared",
+    "host_memory_bytes",
     # transport
     "StatelessGroup",
     "free_port",

@@ -304,6 +304,16 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         self.model_config = model_config
 
     def reset_weight_update_target(self) -> None:
+        """Back to the main model. Hosts call this whenever their round ends
+        (vLLM's worker after a finish and after any failed start or update, also
+        one that failed before reaching the engine, such as a per-worker list it
+        could not index): a round still open here is rolled back first."""
+        if self.transaction is not None:
+            logger.warning(
+                "%s: the host ended the round without finishing it; rolling it back",
+                type(self).__name__,
+            )
+            self._abort_round(RuntimeError("the host ended the round"))
         self.model = self._default_model
         self.model_config = self._default_model_config
 

@@ -224,7 +224,9 @@ def test_worker_init_error_surfaces_at_once() -> None:
     with WorkerPool("nccl", 1) as p:
         info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 3, rank=0, timeout_s=120)
         t0 = time.monotonic()
-        with pytest.raises(WeightSyncRPCError, match="world_size"):
+        with pytest.raises(
+            WeightSyncRPCError, match=r"field .rank_offset. must be in \[0, 2\], got 5"
+        ):
             WeightTransferTrainerFactory.trainer_init(
                 info,
                 client=_Rewriting(p.client(), init_extra={"rank_offset": 5}),
@@ -326,3 +328,67 @@ def test_two_rank_trainer_with_dtensor_source() -> None:
         want = results[0][1]
         for got in p.each("digests"):
             assert got == want
+
+
+class _Stalling(DictSource):
+    """Yields `stall_at` tensors, reports it through `stalled`, then hangs (a trainer
+    stuck or about to be killed in the middle of a round)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], stall_at: int, stalled: Any) -> None:
+        super().__init__(tensors)
+        self.stall_at = stall_at
+        self.stalled = stalled
+
+    def __iter__(self) -> Any:
+        for i, pair in enumerate(self.tensors.items()):
+            if i == self.stall_at:
+                self.stalled.set()
+                time.sleep(600)
+            yield pair
+
+
+def _doomed_trainer(port: int, client: Any, stall_at: int, stalled: Any) -> None:
+    tensors = mixed_tensors(21)
+    info = NCCLTrainerInitInfo(
+        "127.0.0.1", port, 2, rank=0, timeout_s=60.0,
+        packed_buffer_size_bytes=1024, packed_min_bucket_bytes=0,
+    )  # fmt: skip
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=_Stalling(tensors, stall_at, stalled)
+    )
+    engine.send_weights()
+
+
+@pytest.mark.parametrize("stall_at", [1, 9])
+def test_a_killed_trainer_is_noticed_by_the_worker_within_seconds(stall_at: int) -> None:
+    """The worker probes the trainer's store while it waits in a collective, so a
+    trainer killed mid-round fails the worker's update in about a second, not at
+    the transport timeout (60 s here)."""
+    tensors = mixed_tensors(21)
+    ctx = mp.get_context("spawn")
+    with WorkerPool("nccl", 1, names=list(tensors)) as p:
+        stalled = ctx.Event()
+        trainer = ctx.Process(
+            target=_doomed_trainer, args=(free_port(), p.client(), stall_at, stalled), daemon=True
+        )
+        trainer.start()
+        try:
+            assert stalled.wait(120), "the trainer did not reach the stall"
+            time.sleep(0.5)  # the worker is now waiting in a collective
+        finally:
+            trainer.kill()
+            trainer.join(10)
+        t0 = time.monotonic()
+        client = p.client(timeout_s=60.0)
+        client.start_weight_update()  # runs once the worker's failed round has ended
+        elapsed = time.monotonic() - t0
+        client.finish_weight_update()
+        assert elapsed < 5.0, f"the worker noticed the dead trainer after {elapsed:.1f}s"
+
+        info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, timeout_s=30.0)
+        fresh = WeightTransferTrainerFactory.trainer_init(
+            info, client=p.client(), source=DictSource(tensors)
+        )
+        fresh.send_weights()
+        assert_received(p, tensors)
+        fresh.shutdown()

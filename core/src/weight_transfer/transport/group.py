@@ -5,8 +5,10 @@ listens) and builds a gloo group for CPU tensors or an NCCL group for CUDA
 tensors. It never reads or changes `torch.distributed`'s default group, so it
 coexists with the trainer's FSDP/TP groups and with vLLM's own groups.
 
-Every wait is bounded by `timeout_s`: the store connection, the rendezvous
-and each collective. A collective that fails or times out leaves the group
+Every wait is bounded by `timeout_s`: the store connection (also against a
+peer that accepts and never answers), the rendezvous and each collective; a
+worker waiting in a collective (`wait`) also notices a dead trainer within
+about a second. A collective that fails or times out leaves the group
 unusable; `abort()` it and build a new one.
 """
 
@@ -15,6 +17,9 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import socket
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -22,7 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["StatelessGroup", "free_port"]
+from weight_transfer.transport.futures import CollectiveError, TransferTimeout, in_background
+
+__all__ = ["StatelessGroup", "free_port", "LIVENESS_PERIOD_S"]
+
+# How often a worker waiting in a collective checks that the trainer is alive.
+LIVENESS_PERIOD_S = 0.5
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -37,6 +47,43 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):
         return False
+
+
+def _open_store(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """The group's `TCPStore` (rank 0 listens), within `timeout_s` whatever the peer does.
+
+    A client's handshake with a port that accepts but never answers blocks past
+    the store's own timeout, and a closed port is retried for longer than it:
+    the constructor runs on a daemon thread, and the wait for it is bounded
+    here. A store that a late thread still opens is released.
+    """
+
+    def connect() -> dist.Store:
+        # The store retries a refused connection for about twice its timeout:
+        # connect with a third of ours, then give its operations the whole of it.
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=max(1.0, timeout_s / 3)),
+            wait_for_workers=False,
+        )
+        store.set_timeout(timedelta(seconds=timeout_s))
+        return store
+
+    role = "listen on" if rank == 0 else "reach the trainer's store at"
+    opening = in_background(connect, name="wt-store-connect")
+    try:
+        return opening.result(timeout=timeout_s)
+    except FutureTimeout:
+        opening.add_done_callback(lambda f: f.exception() or f.result())  # dropped when done
+        raise RuntimeError(
+            f"rank {rank} could not {role} {host}:{port} within {timeout_s:g}s (nothing "
+            "answered: the port is closed, or something other than a wt trainer listens there)"
+        ) from None
+    except Exception as e:
+        raise RuntimeError(f"rank {rank} could not {role} {host}:{port}: {e}") from e
 
 
 @dataclass
@@ -72,18 +119,7 @@ class StatelessGroup:
             raise ValueError(f"rank {rank} is outside [0, {world_size})")
         device = torch.device(device)
         timeout = timedelta(seconds=timeout_s)
-        try:
-            store = dist.TCPStore(
-                host,
-                port,
-                world_size,
-                is_master=rank == 0,
-                timeout=timeout,
-                wait_for_workers=False,
-            )
-        except Exception as e:
-            role = "listen on" if rank == 0 else "reach the trainer's store at"
-            raise RuntimeError(f"rank {rank} could not {role} {host}:{port}: {e}") from e
+        store = _open_store(host, port, rank, world_size, timeout_s)
         prefixed = dist.PrefixStore(name, store)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
@@ -114,6 +150,36 @@ class StatelessGroup:
         opts.rootTensor = 0
         opts.timeout = timedelta(seconds=self.timeout_s)
         return self.pg.broadcast([tensor], opts)
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for a collective's `work`, at most `timeout_s`.
+
+        On a worker rank the trainer's liveness is probed every
+        `LIVENESS_PERIOD_S` while waiting (its store, which the trainer hosts,
+        must still answer), so a trainer that died mid-round is noticed within
+        about a second instead of at the timeout. Raises `CollectiveError`
+        naming `what` when the collective fails or the trainer is gone, and
+        `TransferTimeout` when the time runs out.
+        """
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        deadline = time.monotonic() + self.timeout_s
+        while not done.wait(min(LIVENESS_PERIOD_S, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(f"{what} did not complete within {self.timeout_s:g}s")
+            if self.rank != 0:
+                try:
+                    self.store.num_keys()
+                except Exception as e:
+                    raise CollectiveError(
+                        f"{what} failed: the trainer is gone (its store stopped answering: {e})"
+                    ) from e
+        try:
+            work.wait()
+        except Exception as e:
+            raise CollectiveError(
+                f"{what} failed (a peer process died, the network broke or it timed out): {e}"
+            ) from e
 
     def abort(self) -> None:
         """Drop the group without waiting for collectives in flight."""

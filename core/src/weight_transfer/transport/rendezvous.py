@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from weight_transfer.base import VLLMWeightSyncClient, WeightTransferInitInfo
+from weight_transfer.limits import check_int_range, check_timeout
 from weight_transfer.position import WorkerPosition
 from weight_transfer.transport.futures import in_background, wait_for
 from weight_transfer.transport.group import StatelessGroup
@@ -46,6 +47,18 @@ class GroupTrainerFields:
     world_size: int
     timeout_s: float = field(default=300.0, kw_only=True)
     device: str | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        check_timeout(self.timeout_s, field="timeout_s", what=type(self).__name__)
+        if not 0 < self.master_port < 65536:
+            raise ValueError(
+                f"{type(self).__name__}: field 'master_port' is not a TCP port: {self.master_port}"
+            )
+        if self.world_size < 2:
+            raise ValueError(
+                f"{type(self).__name__}: field 'world_size' must be at least 2 (the trainer "
+                f"and one worker), got {self.world_size}"
+            )
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:
@@ -93,8 +106,12 @@ class GroupInitInfo(WireProtocolInfo, WeightTransferInitInfo):
             raise ValueError(
                 f"init_info: field 'master_port' is not a TCP port: {self.master_port}"
             )
-        if self.timeout_s <= 0:
-            raise ValueError(f"init_info: field 'timeout_s' must be positive, got {self.timeout_s}")
+        if not self.master_address:
+            raise ValueError("init_info: field 'master_address' must not be empty")
+        check_timeout(self.timeout_s, field="timeout_s", what="init_info")
+        check_int_range(
+            self.rank_offset, field="rank_offset", what="init_info", low=0, high=self.world_size - 1
+        )
 
 
 def trainer_rendezvous(

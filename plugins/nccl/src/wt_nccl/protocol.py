@@ -19,12 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from weight_transfer.backend import (
+    MAX_BUFFERS,
     Bucket,
     BucketPlan,
     GroupInitInfo,
     ParamListUpdateInfo,
     ParamMeta,
     Piece,
+    check_int_range,
+    check_staging,
+    host_memory_bytes,
     plan_buckets,
 )
 
@@ -64,20 +68,30 @@ class WireParams:
     packed_min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES
 
     def validate(self, what: str) -> None:
-        if self.packed_buffer_size_bytes < 64:
-            raise ValueError(
-                f"{what}: field 'packed_buffer_size_bytes' must be at least 64, "
-                f"got {self.packed_buffer_size_bytes}"
-            )
-        if self.packed_num_buffers < 1:
-            raise ValueError(
-                f"{what}: field 'packed_num_buffers' must be at least 1, "
-                f"got {self.packed_num_buffers}"
-            )
-        if self.packed_min_bucket_bytes < 0:
-            raise ValueError(
-                f"{what}: field 'packed_min_bucket_bytes' must be non-negative, "
-                f"got {self.packed_min_bucket_bytes}"
+        """Raise `ValueError` naming the field, the value and the limit."""
+        check_int_range(
+            self.packed_buffer_size_bytes,
+            field="packed_buffer_size_bytes",
+            what=what,
+            low=64,
+            high=host_memory_bytes(),
+        )
+        check_int_range(
+            self.packed_num_buffers, field="packed_num_buffers", what=what, low=1, high=MAX_BUFFERS
+        )
+        check_int_range(
+            self.packed_min_bucket_bytes,
+            field="packed_min_bucket_bytes",
+            what=what,
+            low=0,
+            high=host_memory_bytes(),
+        )
+        if self.packed:
+            check_staging(
+                self.packed_buffer_size_bytes,
+                self.packed_num_buffers,
+                field="packed_buffer_size_bytes",
+                what=what,
             )
 
     @property

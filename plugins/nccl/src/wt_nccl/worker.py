@@ -15,7 +15,6 @@ must `trainer_init` again.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from weight_transfer.backend import (
     RotatingBuffers,
     Unpacker,
     WeightTransferEngine,
+    check_declared,
     join_group,
 )
 from wt_nccl.protocol import (
@@ -79,17 +79,17 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         wire, buffers = self.wire, self._buffers
         if wire is None or buffers is None:
             raise RuntimeError("update_weights before init_weight_transfer_engine")
+        check_declared(update_info.metas, self.model, what="update_info")
         plan = plan_for(update_info.metas, wire)
         loader = self.loader
         with self.channel.on_wire("receiving a round") as group:
             unpacker = Unpacker(plan, group.device)
             pipeline = LoadPipeline(loader.load, len(buffers), group.timeout_s, name="wt-nccl-load")
             head = torch.empty(2, dtype=torch.int64, device=group.device)
-            wait = timedelta(seconds=group.timeout_s)
             try:
                 for k, bucket in enumerate(plan.buckets):
                     pipeline.before_receive(k)
-                    group.broadcast(head).wait(wait)
+                    group.wait(group.broadcast(head), f"the header of bucket {k}")
                     seq, status = (int(v) for v in head.tolist())
                     if seq != k:
                         raise RuntimeError(f"wire out of step: expected bucket {k}, got {seq}")
@@ -104,7 +104,7 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
                         data = buffers.get(k, bucket.nbytes)
                     else:
                         data = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
-                    group.broadcast(data).wait(wait)
+                    group.wait(group.broadcast(data), f"bucket {k}")
                     if not pipeline.draining:
                         pipeline.submit(unpacker.unpack(k, data, view_horizon=pipeline.horizon))
                 try:

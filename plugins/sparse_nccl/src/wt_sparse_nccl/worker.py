@@ -28,7 +28,6 @@ reloads the touched layers there). No draft-model updates.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -257,7 +256,7 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
         }
         for wire_group in wire_groups(info):
             buffer = torch.empty(wire_group.nbytes, dtype=torch.uint8, device=group.device)
-            group.broadcast(buffer, src=0).wait(timedelta(seconds=group.timeout_s))
+            group.wait(group.broadcast(buffer, src=0), f"the {wire_group.kind} of a sparse batch")
             for i, part in zip(wire_group.members, unpack_group(wire_group, buffer), strict=True):
                 tensors[wire_group.kind][i] = part
         patches = []
