@@ -400,3 +400,15 @@ def test_the_host_ending_a_round_without_finish_rolls_it_back() -> None:
     engine.finish_weight_update()
     engine.reset_weight_update_target()  # after a finish: nothing to undo
     assert torch.equal(engine.model.a, torch.ones(3))
+
+
+def test_init_is_refused_while_a_round_is_open() -> None:
+    engine = _engine()
+    engine.init_transfer_engine(engine.parse_init_info(_init()))
+    engine.start_weight_update()
+    with pytest.raises(RuntimeError, match="init_weight_transfer_engine while a weight update"):
+        engine.init_transfer_engine(engine.parse_init_info(_init(endpoint="tcp://other")))
+    assert engine.endpoint == "tcp://127.0.0.1:1" and engine.round_open
+    engine.finish_weight_update()
+    engine.init_transfer_engine(engine.parse_init_info(_init(endpoint="tcp://other")))
+    assert engine.endpoint == "tcp://other"

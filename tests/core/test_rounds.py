@@ -294,3 +294,19 @@ def test_round_hooks_report_start_chunks_and_the_end() -> None:
         assert events[-1] == ("failed", "the gather of layer 1 failed")
     finally:
         plugin_manager().unregister(recorder)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused_unless_allowed(bad: float) -> None:
+    trainer, _, model = _rig()
+    target = ExampleNet(seed=9)
+    with torch.no_grad():
+        target.layers[1].weight[0, 3] = bad  # a bfloat16 layer
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.source = ModuleSource(target)
+    with pytest.raises(ValueError, match=r"non-finite values .* in 'layers\.1\.weight'"):
+        trainer.send_weights()
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    trainer.check_finite = False
+    trainer.send_weights()
+    assert _same(model, target)

@@ -268,6 +268,9 @@ class Served:
     rounds: int = field(default=0)
 
     def reconnect(self) -> None:
+        """A new trainer engine (the engine serves one trainer: the old one shuts down)."""
+        if self.trainer is not None:
+            self.trainer.shutdown()
         self.trainer = connect(self.backend, self.client, self.source, self.scratch)
 
     def sync(self, seed: int, version: str | None = None) -> None:

@@ -36,6 +36,7 @@ from tests.vllm.conftest import (
     require_backend,
 )
 from weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightSyncRPCError
+from weight_transfer.transport.group import free_port
 
 pytest.importorskip("vllm")
 httpx = pytest.importorskip("httpx")
@@ -409,3 +410,107 @@ def test_http_an_update_vllm_refuses_before_the_engine_keeps_the_engine_servable
     finally:
         trainer.shutdown()
         http.close()
+
+
+def test_http_client_survives_the_server_closing_its_connection_after_an_error(
+    server: Server, references: References, tmp_path: Any
+) -> None:
+    """uvicorn closes a keep-alive connection after an error response; the next
+    call, idempotent or not, runs on a fresh connection (10 of 10 here)."""
+    trainer = connect(BACKEND, HTTPVLLMWeightSyncClient(server.url), SwitchSource(
+        ModuleSource(hf_model(2))), str(tmp_path))  # fmt: skip
+    trainer.send_weights()
+    trainer.shutdown()
+    http = HTTPVLLMWeightSyncClient(server.url, timeout=60.0, pause=None)
+    try:
+        for _ in range(10):
+            http.start_weight_update()  # right after an error response: not retried, must work
+            with pytest.raises(WeightSyncRPCError) as refused:
+                http.update_weights({"names": ["model.norm.weight"]})  # no dtypes, no shapes
+            assert refused.value.status is not None and refused.value.status >= 400
+        assert server.generate() == references.outputs(2)
+    finally:
+        http.close()
+
+
+def test_http_random_control_sequences_keep_the_engine_servable(
+    server: Server, references: References, tmp_path: Any
+) -> None:
+    """Valid and invalid control calls in a seeded random order; after each, a
+    completion succeeds and equals the reference of the last committed weights."""
+    import random
+
+    from weight_transfer.transport.wire import WIRE_PROTOCOL_VERSION
+
+    http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    raw = HTTPVLLMWeightSyncClient(server.url, timeout=60.0)
+    source = SwitchSource(ModuleSource(hf_model(2)))
+    trainer = connect(BACKEND, http, source, str(tmp_path))
+    trainer.send_weights()
+    committed = 2
+    stray_init = {
+        "wire_protocol": WIRE_PROTOCOL_VERSION, "master_address": "127.0.0.1",
+        "master_port": free_port(), "world_size": 2, "timeout_s": 2.0,
+    }  # fmt: skip
+
+    def sync() -> int:
+        seed = rng.choice([2, 3])
+        source.inner = ModuleSource(hf_model(seed))
+        trainer.send_weights()
+        return seed
+
+    def refused_update() -> None:
+        raw.start_weight_update()
+        with pytest.raises(WeightSyncRPCError):
+            raw.update_weights({"names": ["model.norm.weight"]})
+
+    def empty_list() -> None:
+        raw.start_weight_update()
+        with pytest.raises(WeightSyncRPCError):
+            raw.update_weights([])
+
+    def start_then_finish() -> None:
+        raw.start_weight_update()
+        raw.finish_weight_update()
+
+    def finish_alone() -> None:
+        with pytest.raises(WeightSyncRPCError):
+            raw.finish_weight_update()
+
+    def update_alone() -> None:
+        with pytest.raises(WeightSyncRPCError):
+            raw.update_weights({"names": []})
+
+    def init_during_a_round() -> None:
+        raw.start_weight_update()
+        with pytest.raises(WeightSyncRPCError, match="while a weight update is active"):
+            raw.init_weight_transfer_engine(stray_init)
+        raw.finish_weight_update()
+
+    def bad_source() -> None:
+        down = "model.layers.1.mlp.down_proj.weight"
+        model = hf_model(3)
+        source.inner = AlteredSource(model, {down: (down, model.lm_head.weight.detach())})
+        with pytest.raises(WeightSyncRPCError):
+            trainer.send_weights()
+
+    steps = [
+        refused_update, empty_list, start_then_finish, finish_alone, update_alone,
+        init_during_a_round, bad_source,
+    ]  # fmt: skip
+    rng = random.Random(20261201)
+    try:
+        for i in range(16):
+            step = rng.choice([sync, *steps])
+            result = step()
+            if step is sync:
+                committed = int(result)  # type: ignore[arg-type]
+            assert not http.is_paused(), f"step {i} ({step.__name__}) left generation paused"
+            assert server.generate() == references.outputs(committed), f"after {step.__name__}"
+        source.inner = ModuleSource(hf_model(5 - committed))
+        trainer.send_weights()
+        assert server.generate() == references.outputs(5 - committed)
+    finally:
+        trainer.shutdown()
+        http.close()
+        raw.close()

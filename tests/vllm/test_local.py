@@ -7,6 +7,7 @@ sync exactly what it produced before.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -159,6 +160,8 @@ def test_loader_snapshot_is_small_on_cpu(served: ServedEngines, references: Refe
     loader = engine.worker_engine.new_loader()
     assert isinstance(loader, VLLMLoader)
     loader.begin()
+    assert loader.snapshot is None  # nothing happens to the model before the first update
+    loader.prepare()
     try:
         assert loader.snapshot is not None
         total = sum(p.numel() * p.element_size() for p in hf_model(1).parameters())
@@ -194,3 +197,66 @@ def test_rollback_without_data_copy_keeps_engine_serving(
     assert len(generate(engine.llm)) == len(references.outputs(target))  # still serving
     engine.sync(target)
     assert generate(engine.llm) == references.outputs(target)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_complete_sync_logs_no_load_warning_and_a_partial_one_still_does(
+    served: ServedEngines, references: References
+) -> None:
+    """The reload's "Failed to load weights" stays meaningful: not on every correct
+    sync (rotary caches hold derived buffers only), but for a layer left out."""
+    from weight_transfer.vllm.loader import RELOAD_LOGGER
+
+    engine = served("nccl")
+    records = _Records()
+    reload_logger = logging.getLogger(RELOAD_LOGGER)
+    reload_logger.addHandler(records)
+    try:
+        engine.sync(3)
+        assert generate(engine.llm) == references.outputs(3)
+        assert not [m for m in records.messages if "Failed to load weights" in m]
+
+        model = hf_model(2)
+        left_out = "model.layers.1.mlp.down_proj.weight"
+        engine.send(_Without(model, left_out))
+        warned = [m for m in records.messages if "Failed to load weights" in m]
+        assert warned and all("RotaryEmbedding" not in m for m in warned), warned
+    finally:
+        reload_logger.removeHandler(records)
+        engine.sync(2)
+
+
+class _Without(AlteredSource):
+    """A model's parameters without one of them (metadata and iteration agree)."""
+
+    def __init__(self, module: torch.nn.Module, name: str) -> None:
+        super().__init__(module, {})
+        self.name = name
+
+    def _pairs(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t) for n, t in super()._pairs() if n != self.name]
+
+
+def test_a_round_that_reaches_no_update_never_makes_the_model_unservable(
+    served: ServedEngines, references: References
+) -> None:
+    """Generation that runs between a start and its finish (nothing paused it)
+    serves the previous weights when no update has arrived yet."""
+    engine = served("nccl")
+    llm = engine.llm
+    llm.start_weight_update()
+    try:
+        assert generate(llm) == references.outputs(engine.seed)
+    finally:
+        llm.finish_weight_update()
+    assert generate(llm) == references.outputs(engine.seed)
+    engine.sync(3 if engine.seed != 3 else 2)
+    assert generate(llm) == references.outputs(engine.seed)

@@ -18,7 +18,8 @@ Worker side
     `ParamListUpdateInfo` / `param_list_payload` (the shared per-round
     parameter list), `WeightLoader` / `Transaction` / `DirectLoader` /
     `loader_for` / `register_loader_provider`, `is_vllm_config`,
-    `WorkerPosition` / `worker_position`.
+    `WorkerPosition` / `worker_position`; inside vLLM, `quiet_reload_warnings`
+    (for a backend that reloads some layers on purpose).
 
 Payloads
     `parse_payload` / `payload_of` (dataclass <-> JSON-safe dict, errors name
@@ -116,6 +117,7 @@ from weight_transfer.transport.wire import (
     ProtocolMismatchError,
     WireProtocolInfo,
 )
+from weight_transfer.vllm.loader import RELOAD_LOGGER, quiet_reload_warnings
 
 __all__ = [
     # trainer side
@@ -149,6 +151,8 @@ __all__ = [
     "WorkerPosition",
     "worker_position",
     "synchronize_device",
+    "quiet_reload_warnings",
+    "RELOAD_LOGGER",
     # payloads
     "UpdatePayload",
     "parse_payload",

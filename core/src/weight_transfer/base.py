@@ -30,7 +30,13 @@ from weight_transfer.hooks import SyncTracker
 from weight_transfer.loading import Transaction, WeightLoader, loader_for
 from weight_transfer.payload import parse_payload
 from weight_transfer.position import WorkerPosition, worker_position
-from weight_transfer.rounds import DEFAULT_TIMEOUT_S, AlignedFailure, RoundClient, TrainerRound
+from weight_transfer.rounds import (
+    DEFAULT_TIMEOUT_S,
+    AlignedFailure,
+    RoundClient,
+    TrainerRound,
+    new_trainer_id,
+)
 from weight_transfer.source import WeightSource  # in the engine's signatures, as in the spec
 from weight_transfer.transport.wire import WireProtocolInfo, check_wire_protocol
 
@@ -111,6 +117,9 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
     is in flight, and on failure raises the real error without waiting on
     control-plane threads that may never return.
 
+    `trainer_id` names this engine to the workers (`new_trainer_id`); group
+    backends ship it, and workers serve one trainer at a time.
+
     `self.client` is the caller's client seen through `RoundClient`:
     `update_weights` returns once the call is in flight, and the next call
     waits for it (at most `timeout_s`), so a backend transmits while the
@@ -134,6 +143,7 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
         self.is_sender = is_sender
         self.timeout_s = timeout_s
         self.syncs = 0
+        self.trainer_id = new_trainer_id()
 
     @property
     def backend(self) -> str:
@@ -220,21 +230,29 @@ def synchronize_device(device: torch.device) -> None:
             accelerator.synchronize(device)
 
 
-_ROUND_STEPS = ("start_weight_update", "finish_weight_update")
+_ROUND_STEPS = ("init_transfer_engine", "start_weight_update", "finish_weight_update")
 
 
 def _round_step(name: str, step: Callable[..., None]) -> Callable[..., None]:
     """Run a subclass's `start_weight_update` / `finish_weight_update` (`name`)
-    inside the base class's transaction (see `WeightTransferEngine`)."""
+    inside the base class's transaction (see `WeightTransferEngine`); refuse its
+    `init_transfer_engine` while a round is open."""
 
     @functools.wraps(step)
-    def wrapper(self: WeightTransferEngine[Any, Any]) -> None:
+    def wrapper(self: WeightTransferEngine[Any, Any], *args: Any) -> None:
         if self._in_round_step:  # a subclass calling super(): the outer wrapper owns it
-            step(self)
+            step(self, *args)
             return
         self._in_round_step = True
         try:
-            if name == "start_weight_update":
+            if name == "init_transfer_engine":
+                if self.transaction is not None:
+                    raise RuntimeError(
+                        "init_weight_transfer_engine while a weight update is active: finish "
+                        "the round (or let it fail) before connecting a trainer"
+                    )
+                step(self, *args)
+            elif name == "start_weight_update":
                 self._open_round(lambda: step(self))
             else:
                 self._close_round(lambda: step(self))
@@ -260,7 +278,8 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     `finish_weight_update` runs the subclass's, then commits; and any failure
     in start, `update_weights` or finish aborts it (after the subclass's
     `abort_weight_update` hook), so the model serves the weights it had before
-    `start_weight_update`. A backend that writes to the model directly (a
+    `start_weight_update`. `init_transfer_engine` is refused while a round is
+    open. A backend that writes to the model directly (a
     spec-style `self.model.load_weights`) is covered too: outside vLLM the
     `DirectLoader` keeps an undo copy, inside vLLM the loader has begun a
     layerwise reload.
@@ -412,6 +431,9 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             raise RuntimeError("update_weights called without a matching start_weight_update")
         try:
             info = self.parse_update_info(update_info)
+            prepare = getattr(self.transaction, "prepare", None)
+            if callable(prepare):
+                prepare()
             self.receive_weights(info)
             if not self.defers_processing:
                 synchronize_device(self.device)

@@ -39,7 +39,13 @@ class Transaction(Protocol):
     """One round's changes to a model: all of them, or none."""
 
     def begin(self) -> None:
-        """Open the round; raise (changing nothing) if the model cannot take one."""
+        """Open the round; raise (changing nothing) if the model cannot take one.
+
+        A transaction may also define `prepare()`, which the engine calls before
+        each update: one that must change the model to receive (vLLM's
+        layerwise reload) defers that to its first `prepare()`, so a round that
+        never reaches an update leaves the model as it was.
+        """
 
     def commit(self) -> None:
         """Make the round's changes the model's weights. One that raises has rolled back."""

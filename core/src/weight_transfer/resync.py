@@ -12,7 +12,8 @@ rest on every rank:
    update_info(metas))` in flight while `transmit(metas, pairs, transfer)`
    moves the bytes; `pairs` is the source's iteration checked against its
    metadata (`checked_iteration`: the first disagreement raises naming the
-   parameter before it reaches the wire);
+   parameter before it reaches the wire), and, while `check_finite` (the
+   default), refuses a floating tensor holding NaN or infinity;
 4. the workers' answer, then `finish_weight_update(weight_version)`.
 
 `ParamListUpdateInfo` is the per-round update info most full-resync backends
@@ -104,6 +105,7 @@ class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):
                 "a WeightSource"
             )
         super().__init__(client=client, source=source, is_sender=is_sender, timeout_s=timeout_s)
+        self.check_finite = True
 
     def send_weights(self, weight_version: str | None = None) -> None:
         """One full round; returns with nothing in flight.
@@ -127,7 +129,9 @@ class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):
         )
         round_.update(
             self.update_info(metas),
-            lambda transfer: self.transmit(metas, checked_iteration(metas, source), transfer),
+            lambda transfer: self.transmit(
+                metas, checked_iteration(metas, source, finite=self.check_finite), transfer
+            ),
         )
         round_.finish(weight_version)
 

@@ -26,7 +26,10 @@ Rules every round keeps, so no backend has to:
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -34,14 +37,26 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from weight_transfer.hooks import SyncTracker
-from weight_transfer.transport.futures import await_transfer, in_background
+from weight_transfer.transport.futures import PEER_GRACE_S, await_transfer, in_background
 
-__all__ = ["RoundClient", "Transfer", "AlignedFailure", "TrainerRound", "DEFAULT_TIMEOUT_S"]
+__all__ = [
+    "RoundClient",
+    "Transfer",
+    "AlignedFailure",
+    "TrainerRound",
+    "DEFAULT_TIMEOUT_S",
+    "new_trainer_id",
+]
 
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 300.0
 UPDATE_CALL = "the workers' update_weights"
+
+
+def new_trainer_id() -> str:
+    """A name for one trainer engine, unique across hosts and restarts: host, pid, nonce."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 class RoundClient:
@@ -128,11 +143,23 @@ class Transfer:
     def wait(self, future: Future[T], what: str, *, watching: bool = True) -> T:
         """`future`'s result, at most `timeout_s`; a failed worker call raises at once.
 
-        `watching=False` ignores the workers' call: for a send whose purpose is
-        to make them fail (an abort notice), their error is the expected answer.
+        When `future` itself fails (a send to a worker that dropped its end),
+        the workers' call gets `PEER_GRACE_S` to say why, and its error is
+        raised instead, chained to the transport's. `watching=False` ignores
+        the workers' call: for a send whose purpose is to make them fail (an
+        abort notice), their error is the expected answer.
         """
-        watch = self.watch if watching else {}
-        return await_transfer(future, watch=watch, timeout_s=self.timeout_s, what=what)
+        if not watching:
+            return await_transfer(future, watch={}, timeout_s=self.timeout_s, what=what)
+        try:
+            return await_transfer(future, watch=self.watch, timeout_s=self.timeout_s, what=what)
+        except Exception as error:
+            if self.worker_error() is error:
+                raise
+            reported = self.worker_error(within_s=PEER_GRACE_S)
+            if reported is None:
+                raise
+            raise reported from error
 
     def worker_error(self, within_s: float = 0.0) -> BaseException | None:
         """The workers' error if their `update_weights` fails within `within_s`, else None."""

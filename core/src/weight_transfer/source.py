@@ -28,6 +28,7 @@ __all__ = [
     "layerwise_groups",
     "materialize_full_tensor",
     "checked_iteration",
+    "all_finite",
     "layer_key",
 ]
 
@@ -202,14 +203,29 @@ def _describe(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> str:
     return f"{name!r} ({str(dtype).removeprefix('torch.')}, shape {list(shape)})"
 
 
+_FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN and no infinity in a floating `tensor` (one read pass, no copy)."""
+    if tensor.dtype not in _FINITE_CHECKED or tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor.detach())
+    return bool(torch.isfinite(low) and torch.isfinite(high))
+
+
 def checked_iteration(
-    metas: list[ParamMeta], pairs: Iterable[tuple[str, torch.Tensor | None]]
+    metas: list[ParamMeta],
+    pairs: Iterable[tuple[str, torch.Tensor | None]],
+    *,
+    finite: bool = False,
 ) -> Iterator[tuple[ParamMeta, torch.Tensor]]:
     """Iterate `pairs`, raising `ValueError` at the first divergence from `metas`.
 
     Checks, before a tensor can reach the wire, that the i-th pair has the i-th
     declared name, dtype and shape, that no extra pair follows and that none is
-    missing. The message names the parameter and both sides.
+    missing; with `finite`, also that floating tensors hold no NaN or infinity.
+    The message names the parameter and both sides.
     """
     it = iter(pairs)
     for i, meta in enumerate(metas):
@@ -230,6 +246,12 @@ def checked_iteration(
                 f"WeightSource iteration disagrees with metadata() at parameter #{i}: "
                 f"iteration yielded {_describe(name, tensor.dtype, tuple(tensor.shape))}, "
                 f"metadata() declares {_describe(meta.name, meta.dtype, meta.shape)}"
+            )
+        if finite and not all_finite(tensor):
+            raise ValueError(
+                f"WeightSource yielded non-finite values (NaN or infinity) in {meta.name!r} "
+                f"(parameter #{i}); nothing of it was sent (set check_finite=False on the "
+                "trainer engine to send such weights)"
             )
         yield meta, tensor
     extra = next(it, None)

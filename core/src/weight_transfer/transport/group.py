@@ -33,6 +33,8 @@ __all__ = ["StatelessGroup", "free_port", "LIVENESS_PERIOD_S"]
 
 # How often a worker waiting in a collective checks that the trainer is alive.
 LIVENESS_PERIOD_S = 0.5
+# Set by rank 0 while its side of the group is open; deleted when it closes or aborts.
+_OPEN_KEY = "wt/trainer-open"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -120,6 +122,8 @@ class StatelessGroup:
         device = torch.device(device)
         timeout = timedelta(seconds=timeout_s)
         store = _open_store(host, port, rank, world_size, timeout_s)
+        if rank == 0:
+            store.set(_OPEN_KEY, "1")
         prefixed = dist.PrefixStore(name, store)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
@@ -155,9 +159,9 @@ class StatelessGroup:
         """Wait for a collective's `work`, at most `timeout_s`.
 
         On a worker rank the trainer's liveness is probed every
-        `LIVENESS_PERIOD_S` while waiting (its store, which the trainer hosts,
-        must still answer), so a trainer that died mid-round is noticed within
-        about a second instead of at the timeout. Raises `CollectiveError`
+        `LIVENESS_PERIOD_S` while waiting (`trainer_alive`), so a trainer that
+        died or dropped its end mid-round is noticed within about a second
+        instead of at the timeout. Raises `CollectiveError`
         naming `what` when the collective fails or the trainer is gone, and
         `TransferTimeout` when the time runs out.
         """
@@ -167,13 +171,10 @@ class StatelessGroup:
         while not done.wait(min(LIVENESS_PERIOD_S, max(0.0, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
                 raise TransferTimeout(f"{what} did not complete within {self.timeout_s:g}s")
-            if self.rank != 0:
-                try:
-                    self.store.num_keys()
-                except Exception as e:
-                    raise CollectiveError(
-                        f"{what} failed: the trainer is gone (its store stopped answering: {e})"
-                    ) from e
+            if self.rank != 0 and not self.trainer_alive():
+                raise CollectiveError(
+                    f"{what} failed: the trainer left the group (it died, or closed its end)"
+                )
         try:
             work.wait()
         except Exception as e:
@@ -181,12 +182,26 @@ class StatelessGroup:
                 f"{what} failed (a peer process died, the network broke or it timed out): {e}"
             ) from e
 
+    def trainer_alive(self) -> bool:
+        """Whether rank 0 still has its end open: its store answers and says so."""
+        try:
+            return bool(self.store.check([_OPEN_KEY]))
+        except Exception:
+            return False
+
+    def _leave(self) -> None:
+        if self.rank == 0:  # tell the workers at once, whoever still holds this object
+            with contextlib.suppress(Exception):
+                self.store.delete_key(_OPEN_KEY)
+
     def abort(self) -> None:
         """Drop the group without waiting for collectives in flight."""
+        self._leave()
         with contextlib.suppress(Exception):  # the group is being discarded either way
             self.pg.abort()
 
     def close(self) -> None:
         """Release the group after a clean run."""
+        self._leave()
         with contextlib.suppress(Exception):
             self.pg.shutdown()

@@ -40,6 +40,8 @@ class GroupTrainerFields:
     every replica). `device` is where the source's tensors live: `"cpu"`
     travels over gloo, `"cuda"` over NCCL; by default the current CUDA device
     when there is one. `timeout_s` bounds the rendezvous and every wait.
+    An engine serves one trainer at a time: `replace_trainer=True` takes it
+    over from a live one (whose next round then fails naming the new holder).
     """
 
     master_address: str
@@ -47,6 +49,7 @@ class GroupTrainerFields:
     world_size: int
     timeout_s: float = field(default=300.0, kw_only=True)
     device: str | None = field(default=None, kw_only=True)
+    replace_trainer: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, field="timeout_s", what=type(self).__name__)
@@ -67,9 +70,11 @@ class GroupTrainerFields:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def worker_group_fields(self) -> dict[str, Any]:
+    def worker_group_fields(self, trainer_id: str) -> dict[str, Any]:
         """The matching `GroupInitInfo` fields for the workers (rank offset 1)."""
         return {
+            "trainer_id": trainer_id,
+            "replace": self.replace_trainer,
             "master_address": self.master_address,
             "master_port": self.master_port,
             "world_size": self.world_size,
@@ -92,6 +97,8 @@ class GroupInitInfo(WireProtocolInfo, WeightTransferInitInfo):
     rank_offset: int = field(default=1, kw_only=True)
     timeout_s: float = field(default=300.0, kw_only=True)
     transport: str = field(default="gloo", kw_only=True)
+    trainer_id: str = field(default="", kw_only=True)
+    replace: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.transport not in ("gloo", "nccl"):

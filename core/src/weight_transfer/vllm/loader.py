@@ -1,6 +1,9 @@
 """`VLLMLoader`: the `WeightLoader` for a model inside a vLLM worker.
 
-- `begin()`: `ModelSnapshot.take(model)`, then `initialize_layerwise_reload(model)`.
+- `begin()`: opens the round; the model is untouched.
+- `prepare()` (the engine calls it before each update; `load` calls it too):
+  once per round, `ModelSnapshot.take(model)`, then
+  `initialize_layerwise_reload(model)`.
 - `load(batch)`: `model.load_weights(batch)` (HF names, checkpoint format) with
   the vLLM config current, the MTP completeness check off (a round arrives in
   several batches) and, on CUDA, the model's device current, so it also works
@@ -28,8 +31,9 @@ that calls finish again after a failed finish clears its state. Calls are
 serialized: an `abort()` from the control thread waits for a `load()` running
 on a transport thread, and a `load()` after the round ended raises.
 
-Between `begin()` and the end of the round the model's layers live on the meta
-device: generation must be paused, as for any vLLM weight update.
+Between `prepare()` and the end of the round the model's layers live on the
+meta device: generation must be paused, as for any vLLM weight update (the
+clients do). A round that ends before its first update never touched the model.
 """
 
 from __future__ import annotations
@@ -38,18 +42,51 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
 
 from weight_transfer.vllm.snapshot import COPY_MODES, ModelSnapshot
 
-__all__ = ["VLLMLoader", "WeightLoadError", "SNAPSHOT_ENV"]
+__all__ = [
+    "VLLMLoader",
+    "WeightLoadError",
+    "SNAPSHOT_ENV",
+    "RELOAD_LOGGER",
+    "quiet_reload_warnings",
+]
 
 SNAPSHOT_ENV = "WT_VLLM_SNAPSHOT"
 
 logger = logging.getLogger("weight_transfer.vllm")
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+@contextlib.contextmanager
+def quiet_reload_warnings(layer_classes: Collection[str] | None = None) -> Iterator[None]:
+    """Drop layerwise reload's "Failed to load weights" warning, for `layer_classes`
+    only (all layers when `None`: a reload of some layers on purpose).
+
+    The reload warns for every layer it loaded nothing into, which after a
+    complete sync means the layers whose tensors are derived buffers (rotary
+    caches): a warning on every correct sync would teach operators to ignore
+    the one that matters, so `VLLMLoader` keeps it for every other layer.
+    """
+
+    def keep(record: logging.LogRecord) -> bool:
+        if not record.getMessage().endswith(": Failed to load weights"):
+            return True
+        return layer_classes is not None and record.getMessage().split(":")[0] not in layer_classes
+
+    reload_logger = logging.getLogger(RELOAD_LOGGER)
+    reload_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        reload_logger.removeFilter(keep)
 
 
 def _model_device(model: torch.nn.Module) -> torch.device | None:
@@ -91,17 +128,34 @@ class VLLMLoader:
         self._lock = threading.Lock()
         self._device: torch.device | None = None
         self._modules: list[torch.nn.Module] = []
+        self._open = False
 
     @property
     def active(self) -> bool:
-        return self.snapshot is not None
+        return self._open
 
     def begin(self) -> None:
+        """Open the round; the model keeps serving until `prepare()` (the first update)."""
+        with self._lock:
+            if self._open:
+                raise RuntimeError("VLLMLoader.begin: a round is already open")
+            self._open = True
+
+    def prepare(self) -> None:
+        """Take the snapshot and begin the layerwise reload, once per round.
+
+        From here until the round ends the layers live on the meta device, so
+        a round that never reaches an update (a start and nothing else, an
+        update vLLM refuses before the engine sees it) never leaves the model
+        unservable.
+        """
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         with self._lock:
+            if not self._open:
+                raise RuntimeError("VLLMLoader.prepare: no open round (begin() first)")
             if self.snapshot is not None:
-                raise RuntimeError("VLLMLoader.begin: a round is already open")
+                return
             self._device = _model_device(self.model)
             self._modules = list(self.model.modules())
             snapshot = ModelSnapshot.take(self.model, self.snapshot_to)
@@ -144,6 +198,7 @@ class VLLMLoader:
                 current[:] = [pair]
                 yield pair
 
+        self.prepare()
         with self._lock:
             if self.snapshot is None:
                 raise RuntimeError("VLLMLoader.load: no open round (begin() first, or aborted)")
@@ -189,11 +244,12 @@ class VLLMLoader:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         with self._lock:
+            self._open = False
             snapshot = self.snapshot
             if snapshot is None:
-                return
+                return  # nothing was loaded: the model never changed
             try:
-                with self._load_context():
+                with self._load_context(), quiet_reload_warnings(self._derived_only()):
                     finalize_layerwise_reload(self.model, self.model_config)
             except BaseException:
                 snapshot.restore()
@@ -202,8 +258,19 @@ class VLLMLoader:
                 self.snapshot = None
                 snapshot.release()
 
+    def _derived_only(self) -> set[str]:
+        """Class names of layers that hold buffers but no parameters (rotary caches):
+        nothing of theirs travels, and the reload keeps their tensors."""
+        return {
+            type(m).__name__
+            for m in self._modules
+            if next(m.parameters(recurse=False), None) is None
+            and next(m.buffers(recurse=False), None) is not None
+        }
+
     def abort(self) -> None:
         with self._lock:
+            self._open = False
             snapshot, self.snapshot = self.snapshot, None
             if snapshot is None:
                 return

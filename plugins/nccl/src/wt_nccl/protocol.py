@@ -113,8 +113,12 @@ class NCCLWorkerInitInfo(WireParams, GroupInitInfo):
         self.validate("init_info")
 
 
-NCCLUpdateInfo = ParamListUpdateInfo
-"""Per-round metadata: the parameters in wire order (core's shared parameter list)."""
+@dataclass
+class NCCLUpdateInfo(ParamListUpdateInfo):
+    """Per-round metadata: the parameters in wire order (core's shared parameter
+    list), and the trainer the round comes from."""
+
+    trainer_id: str = ""
 
 
 def plan_for(metas: list[ParamMeta], wire: WireParams) -> BucketPlan:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -32,6 +32,7 @@ from weight_transfer.backend import (
     VLLMWeightSyncClient,
     WeightSource,
     as_bytes,
+    param_list_payload,
     payload_of,
     trainer_rendezvous,
     work_future,
@@ -92,13 +93,18 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
         if engine.is_sender:
             payload = payload_of(
-                NCCLWorkerInitInfo(**init_info.worker_group_fields(), **vars(init_info.wire))
+                NCCLWorkerInitInfo(
+                    **init_info.worker_group_fields(engine.trainer_id), **vars(init_info.wire)
+                )
             )
             engine.channel.connect(trainer_rendezvous(engine.client, payload, init_info))
         return engine
 
     def check_ready(self) -> None:
         self.channel.require()
+
+    def update_info(self, metas: list[ParamMeta]) -> dict[str, Any]:
+        return {**param_list_payload(metas), "trainer_id": self.trainer_id}
 
     def num_chunks(self, metas: list[ParamMeta]) -> int:
         return len(self._plan_for(metas).buckets)

@@ -61,10 +61,11 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         puts them: on this worker's GPU for NCCL, on CPU for gloo (see
         `join_group`); the loader copies into the model.
         """
+        self.channel.admit(init_info.trainer_id, replace=init_info.replace)
         self.channel.drop("the last init_weight_transfer_engine failed")
         self.wire = init_info.wire
         group = join_group(init_info, self.position, self.device)
-        self.channel.connect(group)
+        self.channel.connect(group, holder=init_info.trainer_id)
         buffers = self._buffers
         if buffers is None or (len(buffers), buffers.device) != (
             self.wire.packed_num_buffers,
@@ -79,6 +80,7 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         wire, buffers = self.wire, self._buffers
         if wire is None or buffers is None:
             raise RuntimeError("update_weights before init_weight_transfer_engine")
+        self.channel.check_holder(update_info.trainer_id)
         check_declared(update_info.metas, self.model, what="update_info")
         plan = plan_for(update_info.metas, wire)
         loader = self.loader

@@ -13,7 +13,8 @@ every method is a no-op on other ranks.
 An empty or `None` patch list sends nothing and makes no call at all. Patches
 are checked (`check_patches`) before anything is sent; a bad one raises
 `ValueError` naming it. On a transmission error the real error is raised at
-once: the engine never waits on the workers' `update_weights` call. If the
+once (a worker's own refusal in preference to the broken send it caused); the
+engine never waits on the workers' `update_weights` call otherwise. If the
 group may be out of step after a failure, it is torn down and later sends
 raise until `trainer_init` runs again.
 """
@@ -27,7 +28,6 @@ from typing import Any, ClassVar
 import torch
 
 from weight_transfer.backend import (
-    PEER_GRACE_S,
     AlignedFailure,
     GroupChannel,
     GroupTrainerFields,
@@ -106,7 +106,7 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
             )
         engine = cls(client=client, is_sender=init_info.is_sender, info=init_info)
         if engine.is_sender:
-            worker_info = SparseNCCLInitInfo(**init_info.worker_group_fields())
+            worker_info = SparseNCCLInitInfo(**init_info.worker_group_fields(engine.trainer_id))
             engine.channel.connect(
                 trainer_rendezvous(engine.client, payload_of(worker_info), init_info)
             )
@@ -189,15 +189,15 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
         group = self.channel.require()
         info = update_info_of(patches)
         buffers = [pack_group(g, patches, group.device) for g in wire_groups(info)]
-        return _Batch(payload_of(info), buffers, len(patches))
+        payload = {**payload_of(info), "trainer_id": self.trainer_id}
+        return _Batch(payload, buffers, len(patches))
 
     def _transmit(self, batch: _Batch, transfer: Transfer) -> None:
         """Broadcast the batch's buffers in order.
 
-        A failed broadcast gives the workers' call a moment (`PEER_GRACE_S`) to
-        report why (a worker that refused drops its end of the group), and that
-        error is raised instead. The group is kept only when every broadcast
-        completed, so both sides stay in step.
+        The group is kept after a failure only when every broadcast completed,
+        so both sides stay in step (a worker that refused the batch after
+        receiving it whole).
         """
         with self.channel.on_wire("a sparse batch") as group:
             pending = None
@@ -210,13 +210,7 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
                     transfer.wait(pending, what)
                     pending = None
                 transfer.chunk_moved(batch.nbytes)
-            except Exception as failure:
-                error = transfer.worker_error(within_s=PEER_GRACE_S) or failure
-                in_step = started == len(batch.buffers) and (
-                    pending is None or all_settle([pending])
-                )
-                if in_step:
-                    raise AlignedFailure(error) from failure
-                if error is failure:
-                    raise
-                raise error from failure
+            except Exception as error:
+                if started == len(batch.buffers) and (pending is None or all_settle([pending])):
+                    raise AlignedFailure(error) from error
+                raise

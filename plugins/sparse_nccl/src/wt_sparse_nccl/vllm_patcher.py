@@ -56,23 +56,25 @@ not seen by the mirror.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from weight_transfer.backend import is_vllm_config, layer_key, layerwise_groups, loader_for
+from weight_transfer.backend import (
+    is_vllm_config,
+    layer_key,
+    layerwise_groups,
+    loader_for,
+    quiet_reload_warnings,
+)
 
 __all__ = ["CheckpointMirror", "MirrorPatcher", "vllm_patcher"]
 
 logger = logging.getLogger("weight_transfer.vllm")
-
-_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 _SAFETENSORS_DTYPES = {
     "F64": "float64",
@@ -263,26 +265,6 @@ def mirror_of(model: torch.nn.Module, vllm_config: Any) -> CheckpointMirror:
     return mirror
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, suffix: str) -> None:
-        super().__init__()
-        self.suffix = suffix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().endswith(self.suffix)
-
-
-@contextlib.contextmanager
-def _untouched_layers_quiet() -> Iterator[None]:
-    reload_logger = logging.getLogger(_RELOAD_LOGGER)
-    drop = _DropMessage(": Failed to load weights")
-    reload_logger.addFilter(drop)
-    try:
-        yield
-    finally:
-        reload_logger.removeFilter(drop)
-
-
 class MirrorPatcher:
     """The `SparsePatcher` for a model inside vLLM; see the module docstring."""
 
@@ -364,7 +346,7 @@ class MirrorPatcher:
         try:
             for index in groups:
                 loader.load([(name, t.clone()) for name, t in mirror.group(index)])
-            with _untouched_layers_quiet():
+            with quiet_reload_warnings():  # untouched layers: reloaded on purpose
                 loader.commit()
         except BaseException:
             loader.abort()

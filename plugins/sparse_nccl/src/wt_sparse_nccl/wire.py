@@ -56,6 +56,7 @@ class SparseNCCLUpdateInfo(WeightTransferUpdateInfo):
     index_dtype_names: list[str]
     shapes: list[list[int]]
     num_updates: list[int]
+    trainer_id: str = ""  # the trainer the batch comes from
 
     def __post_init__(self) -> None:
         n = len(self.names)

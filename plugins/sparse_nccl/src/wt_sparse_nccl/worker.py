@@ -224,8 +224,10 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
         self.channel = GroupChannel("sparse_nccl", remedy="the trainer must run trainer_init again")
 
     def init_transfer_engine(self, init_info: SparseNCCLInitInfo) -> None:
+        self.channel.admit(init_info.trainer_id, replace=init_info.replace)
         self.channel.drop("the last init_weight_transfer_engine failed")
-        self.channel.connect(join_group(init_info, self.position, self.device))
+        group = join_group(init_info, self.position, self.device)
+        self.channel.connect(group, holder=init_info.trainer_id)
 
     def new_transaction(self) -> SparsePatcher:
         return patcher_for(self.model, self.vllm_config)
@@ -235,6 +237,7 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
 
     def receive_weights(self, update_info: SparseNCCLUpdateInfo) -> None:
         """Receive the whole batch, check it whole, then apply it."""
+        self.channel.check_holder(update_info.trainer_id)
         patcher = self.transaction
         assert isinstance(patcher, SparsePatcher)
         with self.channel.on_wire("receiving a sparse batch") as group:
