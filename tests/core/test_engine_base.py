@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -16,9 +17,10 @@ from weight_transfer import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
     WorkerPosition,
+    WorkerSession,
     __version__,
 )
-from weight_transfer.base import synchronize_device
+from weight_transfer.base import ABORT_FIELD, RoundAbortedError, synchronize_device
 from weight_transfer.loading import DirectLoader, loader_for
 from weight_transfer.position import worker_position
 from weight_transfer.transport.wire import (
@@ -412,3 +414,47 @@ def test_init_is_refused_while_a_round_is_open() -> None:
     engine.finish_weight_update()
     engine.init_transfer_engine(engine.parse_init_info(_init(endpoint="tcp://other")))
     assert engine.endpoint == "tcp://other"
+
+
+def test_a_stalled_round_is_rolled_back_by_the_engine_itself() -> None:
+    engine = _engine()
+    engine.round_timeout_s = 0.4
+    engine.start_weight_update()
+    engine.update_weights({"names": ["a"], "values": [6.0]})
+    assert torch.equal(engine.model.a, torch.full((3,), 6.0))  # half a round, in place
+    deadline = time.monotonic() + 5
+    while engine.round_open and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.round_open and torch.equal(engine.model.a, torch.zeros(3))
+    with pytest.raises(RoundAbortedError, match=r"no progress for 0\.4s"):
+        engine.finish_weight_update()  # the trainer learns its round is gone
+    engine.start_weight_update()
+    engine.update_weights({"names": ["b"], "values": [1.0]})
+    engine.finish_weight_update()
+    assert torch.equal(engine.model.b, torch.ones(2, 2)) and torch.equal(
+        engine.model.a, torch.zeros(3)
+    )
+
+
+def test_an_abort_payload_rolls_the_round_back_and_closes_the_hosts_round() -> None:
+    session = WorkerSession(_engine())
+    engine = session.engine
+    session.start_weight_update()
+    session.update_weights({"names": ["a"], "values": [2.0]})
+    with pytest.raises(RoundAbortedError, match="aborted on request: the trainer failed"):
+        session.update_weights({ABORT_FIELD: "the trainer failed"})
+    assert not session.active and torch.equal(engine.model.a, torch.zeros(3))
+
+
+def test_round_client_aborts_a_round_left_open_before_starting_its_own() -> None:
+    from weight_transfer.backend import RoundClient
+
+    session = WorkerSession(_engine())
+    session.start_weight_update()  # a trainer that died here
+    session.update_weights({"names": ["a"], "values": [3.0]})
+    client = RoundClient(session, timeout_s=10)
+    client.start_weight_update()
+    assert session.active and torch.equal(session.engine.model.a, torch.zeros(3))
+    client.update_weights({"names": ["b"], "values": [5.0]})
+    client.finish_weight_update()
+    assert torch.equal(session.engine.model.b, torch.full((2, 2), 5.0))

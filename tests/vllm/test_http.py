@@ -436,8 +436,8 @@ def test_http_client_survives_the_server_closing_its_connection_after_an_error(
 def test_http_random_control_sequences_keep_the_engine_servable(
     server: Server, references: References, tmp_path: Any
 ) -> None:
-    """Valid and invalid control calls in a seeded random order; after each, a
-    completion succeeds and equals the reference of the last committed weights."""
+    """Valid and invalid control calls (each twice) in a seeded random order; after
+    each, a completion succeeds and equals the reference of the last committed weights."""
     import random
 
     from weight_transfer.transport.wire import WIRE_PROTOCOL_VERSION
@@ -487,6 +487,10 @@ def test_http_random_control_sequences_keep_the_engine_servable(
             raw.init_weight_transfer_engine(stray_init)
         raw.finish_weight_update()
 
+    def left_open_then_sync() -> int:
+        raw.start_weight_update()  # a trainer that died right after its start
+        return sync()  # the next round aborts the one left open, then runs
+
     def bad_source() -> None:
         down = "model.layers.1.mlp.down_proj.weight"
         model = hf_model(3)
@@ -499,11 +503,12 @@ def test_http_random_control_sequences_keep_the_engine_servable(
         init_during_a_round, bad_source,
     ]  # fmt: skip
     rng = random.Random(20261201)
+    order = [sync, left_open_then_sync, *steps] * 2  # every call twice, in a random order
+    rng.shuffle(order)
     try:
-        for i in range(16):
-            step = rng.choice([sync, *steps])
+        for i, step in enumerate(order):
             result = step()
-            if step is sync:
+            if step in (sync, left_open_then_sync):
                 committed = int(result)  # type: ignore[arg-type]
             assert not http.is_paused(), f"step {i} ({step.__name__}) left generation paused"
             assert server.generate() == references.outputs(committed), f"after {step.__name__}"

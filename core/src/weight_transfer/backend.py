@@ -13,7 +13,9 @@ Trainer side
     hand).
 
 Worker side
-    `WeightTransferEngine` (the transaction lives in its base class),
+    `WeightTransferEngine` (the transaction lives in its base class, which
+    also rolls back a stalled round and answers `ABORT_FIELD` with
+    `RoundAbortedError`),
     `WeightTransferInitInfo`, `WeightTransferUpdateInfo`,
     `ParamListUpdateInfo` / `param_list_payload` (the shared per-round
     parameter list), `WeightLoader` / `Transaction` / `DirectLoader` /
@@ -45,6 +47,8 @@ Transport
 from __future__ import annotations
 
 from weight_transfer.base import (
+    ABORT_FIELD,
+    RoundAbortedError,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     UpdatePayload,
@@ -138,6 +142,8 @@ __all__ = [
     "SyncTracker",
     # worker side
     "WeightTransferEngine",
+    "RoundAbortedError",
+    "ABORT_FIELD",
     "WeightTransferInitInfo",
     "WeightTransferUpdateInfo",
     "ParamListUpdateInfo",

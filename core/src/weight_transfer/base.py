@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +29,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from weight_transfer import rounds
 from weight_transfer.hooks import SyncTracker
 from weight_transfer.loading import Transaction, WeightLoader, loader_for
 from weight_transfer.payload import parse_payload
@@ -43,6 +47,8 @@ from weight_transfer.transport.wire import WireProtocolInfo, check_wire_protocol
 __all__ = [
     "WeightSource",
     "UpdatePayload",
+    "ABORT_FIELD",
+    "RoundAbortedError",
     "VLLMWeightSyncClient",
     "TrainerInitInfo",
     "TrainerWeightTransferEngine",
@@ -56,6 +62,11 @@ __all__ = [
 ]
 
 UpdatePayload = dict[str, Any] | list[dict[str, Any]]
+
+# An update payload `{ABORT_FIELD: reason}` ends the open round on every worker:
+# the engine rolls it back and refuses the update, which makes the host close
+# its round too (the control routes have no abort of their own).
+ABORT_FIELD = rounds.ABORT_FIELD
 
 logger = logging.getLogger("weight_transfer")
 
@@ -233,6 +244,22 @@ def synchronize_device(device: torch.device) -> None:
 _ROUND_STEPS = ("init_transfer_engine", "start_weight_update", "finish_weight_update")
 
 
+class RoundAbortedError(RuntimeError):
+    """The open round was rolled back on request (`ABORT_FIELD`) or for lack of progress."""
+
+
+def _watch_rounds(ref: weakref.ReferenceType[WeightTransferEngine[Any, Any]]) -> None:
+    """Daemon loop: roll back an engine's round that stalls (ends with the engine)."""
+    while True:
+        engine = ref()
+        if engine is None:
+            return
+        engine._expire_stale_round()
+        period = min(1.0, engine.round_timeout_s / 4)
+        del engine
+        time.sleep(period)
+
+
 def _round_step(name: str, step: Callable[..., None]) -> Callable[..., None]:
     """Run a subclass's `start_weight_update` / `finish_weight_update` (`name`)
     inside the base class's transaction (see `WeightTransferEngine`); refuse its
@@ -252,6 +279,9 @@ def _round_step(name: str, step: Callable[..., None]) -> Callable[..., None]:
                         "the round (or let it fail) before connecting a trainer"
                     )
                 step(self, *args)
+                timeout_s = getattr(args[0] if args else None, "timeout_s", None)
+                if isinstance(timeout_s, (int, float)) and timeout_s > 0:
+                    self.round_timeout_s = float(timeout_s)
             elif name == "start_weight_update":
                 self._open_round(lambda: step(self))
             else:
@@ -279,7 +309,10 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     in start, `update_weights` or finish aborts it (after the subclass's
     `abort_weight_update` hook), so the model serves the weights it had before
     `start_weight_update`. `init_transfer_engine` is refused while a round is
-    open. A backend that writes to the model directly (a
+    open. A round with no call in progress for `round_timeout_s` (the init
+    info's `timeout_s` where it has one, else 300 s) is rolled back by the
+    engine itself, and an update `{ABORT_FIELD: reason}` rolls it back on
+    request. A backend that writes to the model directly (a
     spec-style `self.model.load_weights`) is covered too: outside vLLM the
     `DirectLoader` keeps an undo copy, inside vLLM the loader has begun a
     layerwise reload.
@@ -314,7 +347,13 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         self._default_model = model
         self._default_model_config = self.model_config
         self.transaction: Transaction | None = None
+        self.round_timeout_s = DEFAULT_TIMEOUT_S
         self._in_round_step = False
+        self._round_lock = threading.RLock()
+        self._busy = False
+        self._progress = time.monotonic()
+        self._expired: str | None = None
+        self._watching = False
 
     # -- target selection (draft model) ---------------------------------
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
@@ -327,12 +366,14 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         (vLLM's worker after a finish and after any failed start or update, also
         one that failed before reaching the engine, such as a per-worker list it
         could not index): a round still open here is rolled back first."""
-        if self.transaction is not None:
-            logger.warning(
-                "%s: the host ended the round without finishing it; rolling it back",
-                type(self).__name__,
-            )
-            self._abort_round(RuntimeError("the host ended the round"))
+        with self._round_lock:
+            self._expired = None  # the host's round is over too
+            if self.transaction is not None:
+                logger.warning(
+                    "%s: the host ended the round without finishing it; rolling it back",
+                    type(self).__name__,
+                )
+                self._abort_round(RuntimeError("the host ended the round"))
         self.model = self._default_model
         self.model_config = self._default_model_config
 
@@ -360,6 +401,18 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         return transaction
 
     def _open_round(self, subclass_start: Callable[[], None]) -> None:
+        with self._round_lock:
+            self._expired = None
+            self._progress = time.monotonic()
+            if not self._watching:
+                self._watching = True
+                threading.Thread(
+                    target=_watch_rounds, args=(weakref.ref(self),), name="wt-round-watch",
+                    daemon=True,
+                ).start()  # fmt: skip
+            self._open_round_locked(subclass_start)
+
+    def _open_round_locked(self, subclass_start: Callable[[], None]) -> None:
         if self.transaction is not None:
             # Hosts refuse a start while their round is open, so the host closed
             # this one after a failure the engine never saw: roll it back first.
@@ -379,6 +432,13 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             raise
 
     def _close_round(self, subclass_finish: Callable[[], None]) -> None:
+        with self._round_lock:
+            if self._expired is not None:
+                expired, self._expired = self._expired, None
+                raise RoundAbortedError(expired)
+            self._close_round_locked(subclass_finish)
+
+    def _close_round_locked(self, subclass_finish: Callable[[], None]) -> None:
         transaction = self.transaction
         try:
             self.drain_pending()
@@ -389,6 +449,27 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             self._abort_round(error)
             raise
         self.transaction = None
+
+    def _expire_stale_round(self) -> None:
+        """Roll back a round with no call in progress for `round_timeout_s` (a trainer
+        that died, or left the round open); its next update or finish says so."""
+        if self.transaction is None or self._busy:
+            return
+        idle = time.monotonic() - self._progress
+        if idle < self.round_timeout_s or not self._round_lock.acquire(blocking=False):
+            return
+        try:
+            if self.transaction is None or self._busy:
+                return
+            reason = (
+                f"the round made no progress for {self.round_timeout_s:g}s (no update or "
+                "finish arrived) and was rolled back; start a new one"
+            )
+            logger.warning("%s: %s", type(self).__name__, reason)
+            self._abort_round(RoundAbortedError(reason))
+            self._expired = reason
+        finally:
+            self._round_lock.release()
 
     def _abort_round(self, error: BaseException) -> None:
         """The subclass's `abort_weight_update`, then the transaction's abort; both always run."""
@@ -425,8 +506,28 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
         With `defers_processing` the sync is skipped and completion is
         guaranteed by `finish_weight_update` (or `drain_pending`). On any
-        failure the round is aborted before the error propagates.
+        failure the round is aborted before the error propagates. A payload
+        `{ABORT_FIELD: reason}` rolls the open round back and raises
+        `RoundAbortedError`, which closes the host's round too.
         """
+        with self._round_lock:
+            self._busy = True
+            try:
+                self._update_locked(update_info)
+            finally:
+                self._busy = False
+                self._progress = time.monotonic()
+
+    def _update_locked(self, update_info: dict[str, Any]) -> None:
+        if isinstance(update_info, dict) and ABORT_FIELD in update_info:
+            reason = f"aborted on request: {update_info[ABORT_FIELD]}"
+            self._expired = None
+            if self.transaction is not None:
+                self._abort_round(RoundAbortedError(reason))
+            raise RoundAbortedError(reason)
+        if self._expired is not None:
+            expired, self._expired = self._expired, None
+            raise RoundAbortedError(expired)
         if self.transaction is None:
             raise RuntimeError("update_weights called without a matching start_weight_update")
         try:

@@ -52,6 +52,9 @@ T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 300.0
 UPDATE_CALL = "the workers' update_weights"
+ABORT_FIELD = "wt_abort"  # the engine's abort marker (weight_transfer.base.ABORT_FIELD)
+# How hosts refuse a start while their round is open (vLLM's worker, WorkerSession).
+_ROUND_OPEN_MARKERS = ("weight update is already active", "while a weight update is active")
 
 
 def new_trainer_id() -> str:
@@ -83,11 +86,27 @@ class RoundClient:
         self.inner.init_weight_transfer_engine(init_info)
 
     def start_weight_update(self) -> None:
+        """Start a round; one left open on the workers (a trainer that died
+        mid-round, an update refused before it reached them) is aborted first."""
         leftover, self._leftover = self._leftover, None
         if leftover is not None:
             with contextlib.suppress(Exception):
                 leftover.exception(timeout=self.timeout_s)
-        self.inner.start_weight_update()
+        try:
+            self.inner.start_weight_update()
+        except Exception as error:
+            if not any(marker in str(error) for marker in _ROUND_OPEN_MARKERS):
+                raise
+            self.abort_round("a new round starts while this one was left open")
+            self.inner.start_weight_update()
+
+    def abort_round(self, reason: str) -> None:
+        """End the round open on the workers, rolling it back (`ABORT_FIELD`)."""
+        try:
+            self.inner.update_weights({ABORT_FIELD: reason})
+        except Exception as error:
+            if "aborted on request" not in str(error):
+                raise
 
     def update_weights(self, update_info: Any) -> None:
         self.wait_update()
