@@ -36,6 +36,7 @@ from tests.vllm.conftest import (
     require_backend,
 )
 from weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightSyncRPCError
+from weight_transfer.backend import RoundClient
 from weight_transfer.transport.group import free_port
 
 pytest.importorskip("vllm")
@@ -487,6 +488,16 @@ def test_http_random_control_sequences_keep_the_engine_servable(
             raw.init_weight_transfer_engine(stray_init)
         raw.finish_weight_update()
 
+    def malformed_request() -> None:
+        raw.start_weight_update()
+        with pytest.raises(WeightSyncRPCError) as refused:
+            raw.update_weights(5)  # type: ignore[arg-type]  # refused by the route itself
+        assert refused.value.status is not None and 400 <= refused.value.status < 500
+        # the engine never saw it: the model is untouched; the round stays open in
+        # vLLM until something ends it
+        assert server.generate() == references.outputs(committed)
+        RoundClient(raw).abort_round("the trainer gave up on this round")
+
     def left_open_then_sync() -> int:
         raw.start_weight_update()  # a trainer that died right after its start
         return sync()  # the next round aborts the one left open, then runs
@@ -500,7 +511,7 @@ def test_http_random_control_sequences_keep_the_engine_servable(
 
     steps = [
         refused_update, empty_list, start_then_finish, finish_alone, update_alone,
-        init_during_a_round, bad_source,
+        init_during_a_round, bad_source, malformed_request,
     ]  # fmt: skip
     rng = random.Random(20261201)
     order = [sync, left_open_then_sync, *steps] * 2  # every call twice, in a random order

@@ -8,6 +8,7 @@ starts vLLM on it in-process, and times, interleaved over `--repeats` rounds:
   (`model_runner.reload_weights(weights_iterator=...)`): no transport at all;
 - wt_nccl, packed (the default wire parameters) and unpacked: a trainer in
   this process pushing a `ModuleSource` through `LocalVLLMWeightSyncClient`;
+  packed also with `check_finite=False`, which prices the non-finite check;
 - save + reload: write a safetensors checkpoint, then `reload_weights` from it
   (what users do without a sync library).
 
@@ -115,10 +116,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return run
 
-    def sync_with(wire: dict[str, Any]) -> Callable[[int], Callable[[], None]]:
+    def sync_with(
+        wire: dict[str, Any], *, check_finite: bool = True
+    ) -> Callable[[int], Callable[[], None]]:
         def prepare(i: int) -> Callable[[], None]:
             engine = connect(wire)
             engine.source = sources[i]
+            engine.check_finite = check_finite
             return engine.send_weights
 
         return prepare
@@ -141,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "floor: vLLM reload from memory": floor,
             "wt_nccl packed": sync_with({}),
+            "wt_nccl packed, no finite check": sync_with({}, check_finite=False),
             "save + reload_weights": save_and_reload,
         },
         {
