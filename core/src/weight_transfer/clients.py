@@ -9,8 +9,10 @@ the model is half-loaded (inside vLLM its layers live on the meta device), so
 a request that ran then would crash the engine. Every client therefore pauses
 generation before the round, through vLLM's own pause, and resumes it once the
 workers have closed the round: after `finish_weight_update` (whether it
-succeeded or rolled back), after a failed `start_weight_update` or
-`update_weights` (the workers rolled back). `pause` is the policy for requests
+succeeded or rolled back), after a failed `update_weights` (the workers rolled
+back), after a failed `start_weight_update` unless it failed because a round
+is still open (that one may hold a half-loaded model: generation stays paused
+until it is aborted, which `RoundClient` does before starting its own). `pause` is the policy for requests
 in flight, vLLM's `PauseMode`:
 
 - `"keep"` (the default): in-flight requests are frozen and continue on the
@@ -41,6 +43,7 @@ from weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
+from weight_transfer.rounds import round_left_open
 
 __all__ = [
     "WeightSyncRPCError",
@@ -121,7 +124,8 @@ class _PausingClient:
         try:
             self._call(method)
         except BaseException as error:
-            self._resume_after(error)
+            if not round_left_open(error):  # a round still open may have a half-loaded model
+                self._resume_after(error)
             raise
 
     def start_weight_update(self) -> None:

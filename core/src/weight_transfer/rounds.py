@@ -46,6 +46,7 @@ __all__ = [
     "TrainerRound",
     "DEFAULT_TIMEOUT_S",
     "new_trainer_id",
+    "round_left_open",
 ]
 
 T = TypeVar("T")
@@ -55,6 +56,11 @@ UPDATE_CALL = "the workers' update_weights"
 ABORT_FIELD = "wt_abort"  # the engine's abort marker (weight_transfer.base.ABORT_FIELD)
 # How hosts refuse a start while their round is open (vLLM's worker, WorkerSession).
 _ROUND_OPEN_MARKERS = ("weight update is already active", "while a weight update is active")
+
+
+def round_left_open(error: BaseException) -> bool:
+    """Whether `error` is a host refusing a start because its round is still open."""
+    return any(marker in str(error) for marker in _ROUND_OPEN_MARKERS)
 
 
 def new_trainer_id() -> str:
@@ -70,7 +76,9 @@ class RoundClient:
     The next `update_weights` or `finish_weight_update` first waits for it (at
     most `timeout_s`) and raises its error. `start_weight_update` first lets a
     call left over from a failed round end, bounded, ignoring its outcome (it
-    belonged to that round). Other attributes are the caller's client's.
+    belonged to that round), and aborts a round the host still holds open
+    (`abort_round`) before starting its own. Other attributes are the caller's
+    client's.
     """
 
     def __init__(self, client: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -95,7 +103,7 @@ class RoundClient:
         try:
             self.inner.start_weight_update()
         except Exception as error:
-            if not any(marker in str(error) for marker in _ROUND_OPEN_MARKERS):
+            if not round_left_open(error):
                 raise
             self.abort_round("a new round starts while this one was left open")
             self.inner.start_weight_update()
