@@ -12,8 +12,8 @@ workers have closed the round: after `finish_weight_update` (whether it
 succeeded or rolled back), after a failed `update_weights` (the workers rolled
 back), after a failed `start_weight_update` unless it failed because a round
 is still open (that one may hold a half-loaded model: generation stays paused
-until it is aborted, which `RoundClient` does before starting its own). `pause` is the policy for requests
-in flight, vLLM's `PauseMode`:
+until it is aborted, which `RoundClient` does before starting its own).
+`pause` is the policy for requests in flight, vLLM's `PauseMode`:
 
 - `"keep"` (the default): in-flight requests are frozen and continue on the
   new weights after the resume; nothing fails, nothing is recomputed twice;
