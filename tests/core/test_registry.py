@@ -364,3 +364,23 @@ def test_wt_backends_console_script(plugin: Plugin) -> None:
     assert proc.returncode == 0, proc.stderr
     assert [c.strip() for c in _row(proc.stdout, "example_file")] == ["wt-example 0.1.0"] * 2
     assert [c.strip() for c in _row(proc.stdout, "throwaway")] == [f"{DIST} {VERSION}"] * 2
+
+
+@pytest.mark.parametrize(("tool", "option"), [("demo", "--backend"), ("bench", "--layers")])
+def test_wt_runs_the_tools_of_wt_tools(
+    tool: str, option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        wt_main([tool, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: wt {tool}") and option in out
+
+
+def test_wt_says_which_wheel_a_missing_tool_needs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for module in ("wt_tools", "wt_tools.demo"):  # as if wt-tools were not installed
+        monkeypatch.setitem(sys.modules, module, None)  # type: ignore[arg-type]
+    assert wt_main(["demo"]) == 2
+    assert "pip install wt-tools" in capsys.readouterr().err

@@ -60,16 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="wt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("backends", help="list installed backends and their distributions")
-    sub.add_parser(
-        "demo",
-        help="train a tiny Llama, sync it into vLLM after every step, verify",
-        add_help=False,
-    )
+    for name, what in TOOLS.items():
+        sub.add_parser(name, help=f"{what} (needs wt-tools)", add_help=False)
     args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        from weight_transfer.vllm.demo import main as demo_main
-
-        return demo_main(rest)
+    if args.command in TOOLS:
+        return _run_tool(args.command, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "backends":

@@ -49,7 +49,7 @@ def _greedy(llm: Any, prompt: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="wt bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=16, help="decoder layers (16 = ~1 GiB)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="bench-results/bench.json")
