@@ -29,12 +29,13 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from weight_transfer import rounds
 from weight_transfer.hooks import SyncTracker
 from weight_transfer.loading import Transaction, WeightLoader, loader_for
 from weight_transfer.payload import parse_payload
 from weight_transfer.position import WorkerPosition, worker_position
 from weight_transfer.rounds import (
+    ABORT_FIELD,
+    ABORTED_ON_REQUEST,
     DEFAULT_TIMEOUT_S,
     AlignedFailure,
     RoundClient,
@@ -62,11 +63,6 @@ __all__ = [
 ]
 
 UpdatePayload = dict[str, Any] | list[dict[str, Any]]
-
-# An update payload `{ABORT_FIELD: reason}` ends the open round on every worker:
-# the engine rolls it back and refuses the update, which makes the host close
-# its round too (the control routes have no abort of their own).
-ABORT_FIELD = rounds.ABORT_FIELD
 
 logger = logging.getLogger("weight_transfer")
 
@@ -162,7 +158,6 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
 
     def open_round(self, *, num_params: int, total_bytes: int, num_chunks: int) -> TrainerRound:
         """`start_weight_update` and the round's hooks; see `weight_transfer.rounds`."""
-        assert isinstance(self.client, RoundClient)
         self.syncs += 1
         tracker = SyncTracker(self.backend, self.syncs, num_params, total_bytes, num_chunks)
         try:
@@ -410,45 +405,39 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
                     target=_watch_rounds, args=(weakref.ref(self),), name="wt-round-watch",
                     daemon=True,
                 ).start()  # fmt: skip
-            self._open_round_locked(subclass_start)
-
-    def _open_round_locked(self, subclass_start: Callable[[], None]) -> None:
-        if self.transaction is not None:
-            # Hosts refuse a start while their round is open, so the host closed
-            # this one after a failure the engine never saw: roll it back first.
-            logger.warning(
-                "%s: a new round starts while the previous one is still open; "
-                "rolling the previous one back",
-                type(self).__name__,
-            )
-            self._abort_round(RuntimeError("superseded by a new start_weight_update"))
-        transaction = self.new_transaction()
-        transaction.begin()
-        self.transaction = transaction
-        try:
-            subclass_start()
-        except BaseException as error:
-            self._abort_round(error)
-            raise
+            if self.transaction is not None:
+                # Hosts refuse a start while their round is open, so the host closed
+                # this one after a failure the engine never saw: roll it back first.
+                logger.warning(
+                    "%s: a new round starts while the previous one is still open; "
+                    "rolling the previous one back",
+                    type(self).__name__,
+                )
+                self._abort_round(RuntimeError("superseded by a new start_weight_update"))
+            transaction = self.new_transaction()
+            transaction.begin()
+            self.transaction = transaction
+            try:
+                subclass_start()
+            except BaseException as error:
+                self._abort_round(error)
+                raise
 
     def _close_round(self, subclass_finish: Callable[[], None]) -> None:
         with self._round_lock:
             if self._expired is not None:
                 expired, self._expired = self._expired, None
                 raise RoundAbortedError(expired)
-            self._close_round_locked(subclass_finish)
-
-    def _close_round_locked(self, subclass_finish: Callable[[], None]) -> None:
-        transaction = self.transaction
-        try:
-            self.drain_pending()
-            subclass_finish()
-            if transaction is not None:
-                transaction.commit()
-        except BaseException as error:
-            self._abort_round(error)
-            raise
-        self.transaction = None
+            transaction = self.transaction
+            try:
+                self.drain_pending()
+                subclass_finish()
+                if transaction is not None:
+                    transaction.commit()
+            except BaseException as error:
+                self._abort_round(error)
+                raise
+            self.transaction = None
 
     def _expire_stale_round(self) -> None:
         """Roll back a round with no call in progress for `round_timeout_s` (a trainer
@@ -520,7 +509,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
     def _update_locked(self, update_info: dict[str, Any]) -> None:
         if isinstance(update_info, dict) and ABORT_FIELD in update_info:
-            reason = f"aborted on request: {update_info[ABORT_FIELD]}"
+            reason = f"{ABORTED_ON_REQUEST}: {update_info[ABORT_FIELD]}"
             self._expired = None
             if self.transaction is not None:
                 self._abort_round(RoundAbortedError(reason))

@@ -53,7 +53,12 @@ T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 300.0
 UPDATE_CALL = "the workers' update_weights"
-ABORT_FIELD = "wt_abort"  # the engine's abort marker (weight_transfer.base.ABORT_FIELD)
+# An update payload `{ABORT_FIELD: reason}` ends the open round on every worker:
+# the engine rolls it back and refuses the update with a message starting
+# ABORTED_ON_REQUEST, which makes the host close its round too (the control
+# routes have no abort of their own; only the message crosses HTTP).
+ABORT_FIELD = "wt_abort"
+ABORTED_ON_REQUEST = "aborted on request"
 # How hosts refuse a start while their round is open (vLLM's worker, WorkerSession).
 _ROUND_OPEN_MARKERS = ("weight update is already active", "while a weight update is active")
 
@@ -113,7 +118,7 @@ class RoundClient:
         try:
             self.inner.update_weights({ABORT_FIELD: reason})
         except Exception as error:
-            if "aborted on request" not in str(error):
+            if ABORTED_ON_REQUEST not in str(error):
                 raise
 
     def update_weights(self, update_info: Any) -> None:

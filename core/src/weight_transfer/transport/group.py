@@ -57,7 +57,8 @@ def _open_store(host: str, port: int, rank: int, world_size: int, timeout_s: flo
     A client's handshake with a port that accepts but never answers blocks past
     the store's own timeout, and a closed port is retried for longer than it:
     the constructor runs on a daemon thread, and the wait for it is bounded
-    here. A store that a late thread still opens is released.
+    here. A store that a late thread still opens goes with its future, which
+    nothing holds once that thread ends.
     """
 
     def connect() -> dist.Store:
@@ -79,7 +80,6 @@ def _open_store(host: str, port: int, rank: int, world_size: int, timeout_s: flo
     try:
         return opening.result(timeout=timeout_s)
     except FutureTimeout:
-        opening.add_done_callback(lambda f: f.exception() or f.result())  # dropped when done
         raise RuntimeError(
             f"rank {rank} could not {role} {host}:{port} within {timeout_s:g}s (nothing "
             "answered: the port is closed, or something other than a wt trainer listens there)"
