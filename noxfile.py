@@ -26,8 +26,8 @@ RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
 
 CORE = "./core"
-PLUGINS = ["./plugins/nccl", "./plugins/sparse_nccl"]
-SKELETONS = ["./plugins/ipc", "./plugins/sharded_rdt"]  # packaging only, no engines yet
+PLUGINS = ["./plugins/nccl", "./plugins/sparse_nccl", "./plugins/ipc"]
+SKELETONS = ["./plugins/sharded_rdt"]  # packaging only, no engines yet
 EXAMPLE = "./examples/wt-example"
 TOOLS = "./tools"  # demo, bench, tiny-model builder: applications, not core
 DISTRIBUTIONS = [CORE, *PLUGINS, EXAMPLE, TOOLS]
@@ -35,6 +35,7 @@ SOURCES = [
     "core/src/weight_transfer",
     "plugins/nccl/src/wt_nccl",
     "plugins/sparse_nccl/src/wt_sparse_nccl",
+    "plugins/ipc/src/wt_ipc",
     "examples/wt-example/src/wt_example",
     "tools/src/wt_tools",
 ]

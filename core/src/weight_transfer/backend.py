@@ -35,10 +35,14 @@ Limits
     field, the value and the limit.
 
 Transport
-    Groups: `StatelessGroup`, `GroupChannel` / `ChannelDownError`,
+    Groups: `StatelessGroup`, `GroupChannel` / `ChannelDownError` / `Link`,
     `GroupTrainerFields`, `GroupInitInfo`, `trainer_rendezvous`, `join_group`,
-    `free_port`. Layout: `plan_buckets`, `BucketPlan`, `Bucket`, `Piece`,
-    `as_bytes`, `RotatingBuffers`, `Unpacker`. Streaming: `SendWindow`,
+    `free_port`. Colocated: `SharedSegment` (named shared memory),
+    `LocalListener` / `connect_local` / `LocalLink` / `Frame` / `LinkClosed`
+    (a control link over a Unix socket), `Credits` / `RELEASED` (bucket
+    releases as futures). Layout: `WireParams`, `plan_buckets`,
+    `plan_per_tensor`, `BucketPlan`, `Bucket`, `Piece`, `as_bytes`,
+    `RotatingBuffers`, `Packer`, `Unpacker`. Streaming: `SendWindow`,
     `LoadPipeline`, `LoadFailed`. Waiting: `in_background`, `await_transfer`,
     `wait_for`, `work_future`, `all_settle`, `PEER_GRACE_S`, `CollectiveError`,
     `TransferTimeout`.
@@ -87,7 +91,7 @@ from weight_transfer.source import (
     layer_key,
     layerwise_groups,
 )
-from weight_transfer.transport.channel import ChannelDownError, GroupChannel
+from weight_transfer.transport.channel import ChannelDownError, GroupChannel, Link
 from weight_transfer.transport.dtypes import WIRE_DTYPES, dtype_from_name, dtype_name
 from weight_transfer.transport.futures import (
     PEER_GRACE_S,
@@ -100,14 +104,26 @@ from weight_transfer.transport.futures import (
     work_future,
 )
 from weight_transfer.transport.group import StatelessGroup, free_port
+from weight_transfer.transport.local import (
+    RELEASED,
+    Credits,
+    Frame,
+    LinkClosed,
+    LocalLink,
+    LocalListener,
+    connect_local,
+)
 from weight_transfer.transport.packing import (
     Bucket,
     BucketPlan,
+    Packer,
     Piece,
     RotatingBuffers,
     Unpacker,
+    WireParams,
     as_bytes,
     plan_buckets,
+    plan_per_tensor,
 )
 from weight_transfer.transport.rendezvous import (
     GroupInitInfo,
@@ -115,6 +131,7 @@ from weight_transfer.transport.rendezvous import (
     join_group,
     trainer_rendezvous,
 )
+from weight_transfer.transport.shm import SharedSegment
 from weight_transfer.transport.stream import LoadFailed, LoadPipeline, SendWindow
 from weight_transfer.transport.wire import (
     WIRE_PROTOCOL_VERSION,
@@ -182,16 +199,28 @@ __all__ = [
     "free_port",
     "GroupChannel",
     "ChannelDownError",
+    "Link",
+    "SharedSegment",
+    "LocalListener",
+    "LocalLink",
+    "connect_local",
+    "Frame",
+    "LinkClosed",
+    "Credits",
+    "RELEASED",
     "GroupTrainerFields",
     "GroupInitInfo",
     "trainer_rendezvous",
     "join_group",
+    "WireParams",
     "plan_buckets",
+    "plan_per_tensor",
     "BucketPlan",
     "Bucket",
     "Piece",
     "as_bytes",
     "RotatingBuffers",
+    "Packer",
     "Unpacker",
     "SendWindow",
     "LoadPipeline",

@@ -1,6 +1,8 @@
-"""`GroupChannel`: one side's private group, and why it is gone when it is.
+"""`GroupChannel`: one side's private group (or link), and why it is gone when it is.
 
-A backend holds its `StatelessGroup` through a channel. `require()` returns
+A backend holds its `StatelessGroup` (or any object with the `Link` methods:
+`abort`, `close`, `trainer_alive`; a colocated backend's control link, say)
+through a channel. `require()` returns
 the group or raises naming the reason there is none (never connected, shut
 down, torn down after which failure) and what to do. `on_wire(doing)` brackets
 the part of a round that exchanges collectives: if anything escapes it other
@@ -14,24 +16,37 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Generic, Protocol, TypeVar
 
 from weight_transfer.rounds import AlignedFailure
-from weight_transfer.transport.group import StatelessGroup
 
-__all__ = ["GroupChannel", "ChannelDownError"]
+__all__ = ["GroupChannel", "ChannelDownError", "Link"]
+
+
+class Link(Protocol):
+    """What a channel needs of the thing it holds."""
+
+    def abort(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def trainer_alive(self) -> bool: ...
+
+
+L = TypeVar("L", bound=Link)
 
 
 class ChannelDownError(RuntimeError):
     """The channel has no group; the message says why and how to get one."""
 
 
-class GroupChannel:
-    """Owns one group and its teardown reason. `remedy` ends every refusal."""
+class GroupChannel(Generic[L]):
+    """Owns one group (a `Link`) and its teardown reason. `remedy` ends every refusal."""
 
     def __init__(self, name: str, *, remedy: str) -> None:
         self.name = name
         self.remedy = remedy
-        self.group: StatelessGroup | None = None
+        self.group: L | None = None
         self.holder = ""  # the trainer this side serves (workers), by its trainer_id
         self.reason = "it has not been connected yet"
 
@@ -39,7 +54,7 @@ class GroupChannel:
     def connected(self) -> bool:
         return self.group is not None
 
-    def connect(self, group: StatelessGroup, holder: str = "") -> None:
+    def connect(self, group: L, holder: str = "") -> None:
         """Hold `group` (for trainer `holder`), aborting a previous one (it may be out of step)."""
         self.drop("it was replaced by a new connection")
         self.group = group
@@ -49,7 +64,7 @@ class GroupChannel:
         """Refuse a second trainer while a live one holds this engine (unless `replace`).
 
         The holder is live while its end of the group is open
-        (`StatelessGroup.trainer_alive`); a holder that died, shut down or tore
+        (`trainer_alive`; a `StatelessGroup` asks its store); a holder that died, shut down or tore
         its group down is replaced freely.
         """
         group = self.group
@@ -70,7 +85,7 @@ class GroupChannel:
                 "trainer_init again, with replace_trainer=True to take the engine back"
             )
 
-    def require(self) -> StatelessGroup:
+    def require(self) -> L:
         if self.group is None:
             raise ChannelDownError(f"{self.name}: no transfer group ({self.reason}); {self.remedy}")
         return self.group
@@ -90,7 +105,7 @@ class GroupChannel:
         self.reason = reason
 
     @contextmanager
-    def on_wire(self, doing: str) -> Iterator[StatelessGroup]:
+    def on_wire(self, doing: str) -> Iterator[L]:
         """The group, torn down if anything but `AlignedFailure` escapes the block."""
         group = self.require()
         try:

@@ -12,15 +12,24 @@ crosses the wire. Properties of a layout:
   `min_bucket_bytes`, or before a group that would not fit in what is left.
   A group larger than a buffer spans consecutive buckets, and a tensor larger
   than a buffer is split into byte ranges across them.
+
+`plan_per_tensor` is the unpacked layout for fixed buffers: every parameter
+starts a bucket of its own (split across buckets when larger than a buffer),
+while `group_end` still follows the layers, so the view rule below holds.
+
+`WireParams` are the must-agree parameters of a bucketed wire (mixed into a
+backend's init infos); `Packer` copies consecutive buckets out of a checked
+source iteration; `Unpacker` turns received buckets back into tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from weight_transfer.limits import MAX_BUFFERS, check_int_range, check_staging, host_memory_bytes
 from weight_transfer.source import ParamMeta, layerwise_groups
 
 __all__ = [
@@ -29,12 +38,17 @@ __all__ = [
     "Bucket",
     "BucketPlan",
     "plan_buckets",
+    "plan_per_tensor",
     "as_bytes",
+    "WireParams",
+    "Packer",
     "RotatingBuffers",
     "Unpacker",
 ]
 
 ALIGNMENT = 64
+DEFAULT_BUFFER_BYTES = 1 << 30
+DEFAULT_MIN_BUCKET_BYTES = 32 << 20
 
 
 def _align(n: int) -> int:
@@ -143,6 +157,101 @@ def plan_buckets(
     return BucketPlan(tuple(metas), tuple(buckets), tuple(group_end))
 
 
+def plan_per_tensor(metas: Sequence[ParamMeta], *, buffer_bytes: int) -> BucketPlan:
+    """One parameter per bucket (split when larger than `buffer_bytes`); layers as groups."""
+    alone = plan_buckets(metas, buffer_bytes=buffer_bytes, groups=[[m.name] for m in metas])
+    last_bucket = [0] * len(metas)
+    for k, bucket in enumerate(alone.buckets):
+        for piece in bucket.pieces:
+            last_bucket[piece.param] = k
+    group_end: list[int] = []
+    index = 0
+    for group in layerwise_groups([m.name for m in metas]):
+        members = range(index, index + len(group))
+        index += len(group)
+        end = max(last_bucket[i] for i in members)
+        group_end.extend(end for _ in members)
+    return BucketPlan(alone.params, alone.buckets, tuple(group_end))
+
+
+@dataclass
+class WireParams:
+    """Must-agree parameters of a bucketed wire; the trainer is their only source.
+
+    Mixed into a backend's trainer and worker init infos; `wire` is a
+    detached copy that engines keep.
+    """
+
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
+    packed_num_buffers: int = 2
+    packed_min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES
+
+    def validate(self, what: str, *, staged: bool | None = None) -> None:
+        """Raise `ValueError` naming the field, the value and the limit.
+
+        The staging limit applies when buffers are allocated (`staged`; by
+        default when `packed`).
+        """
+        check_int_range(
+            self.packed_buffer_size_bytes,
+            field="packed_buffer_size_bytes",
+            what=what,
+            low=ALIGNMENT,
+            high=host_memory_bytes(),
+        )
+        check_int_range(
+            self.packed_num_buffers, field="packed_num_buffers", what=what, low=1, high=MAX_BUFFERS
+        )
+        check_int_range(
+            self.packed_min_bucket_bytes,
+            field="packed_min_bucket_bytes",
+            what=what,
+            low=0,
+            high=host_memory_bytes(),
+        )
+        if self.packed if staged is None else staged:
+            check_staging(
+                self.packed_buffer_size_bytes,
+                self.packed_num_buffers,
+                field="packed_buffer_size_bytes",
+                what=what,
+            )
+
+    @property
+    def wire(self) -> WireParams:
+        return WireParams(
+            self.packed,
+            self.packed_buffer_size_bytes,
+            self.packed_num_buffers,
+            self.packed_min_bucket_bytes,
+        )
+
+
+class Packer:
+    """Copies the pieces of consecutive buckets out of checked `(meta, tensor)` pairs."""
+
+    def __init__(self, pairs: Iterator[tuple[ParamMeta, torch.Tensor]]) -> None:
+        self.pairs = pairs
+        self.current: torch.Tensor | None = None  # bytes of the parameter being packed
+
+    def pack(self, bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
+        """Fill `out` (at least `bucket.nbytes` long) with `bucket`'s pieces; returns `out`."""
+        for piece in bucket.pieces:
+            if piece.start == 0:
+                self.current = as_bytes(next(self.pairs)[1])
+            assert self.current is not None
+            out[piece.offset : piece.offset + piece.nbytes].copy_(
+                self.current[piece.start : piece.start + piece.nbytes]
+            )
+        return out
+
+    def exhaust(self) -> None:
+        """Run the source to its end (the check for an extra parameter runs there)."""
+        for _ in self.pairs:
+            pass
+
+
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat `uint8` view of `tensor`'s elements (a contiguous copy if needed)."""
     return tensor.contiguous().reshape(-1).view(torch.uint8)
@@ -160,6 +269,15 @@ class RotatingBuffers:
             raise ValueError(f"packed_num_buffers must be at least 1, got {count}")
         self.device = torch.device(device)
         self._buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * count
+        self.fixed = False
+
+    @classmethod
+    def over(cls, buffers: Sequence[torch.Tensor]) -> RotatingBuffers:
+        """Rotate over existing `uint8` buffers (shared memory, say); `get` never grows them."""
+        rotating = cls(len(buffers), buffers[0].device)
+        rotating._buffers = list(buffers)
+        rotating.fixed = True
+        return rotating
 
     def __len__(self) -> int:
         return len(self._buffers)
@@ -169,6 +287,10 @@ class RotatingBuffers:
         slot = index % len(self._buffers)
         buf = self._buffers[slot]
         if buf.numel() < nbytes:
+            if self.fixed:
+                raise ValueError(
+                    f"a bucket of {nbytes} bytes does not fit buffer {slot} ({buf.numel()} bytes)"
+                )
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._buffers[slot] = buf
         return buf[:nbytes]

@@ -1,1 +1,39 @@
-"""wt backend `ipc` (skeleton: no engines yet)."""
+"""wt backend `ipc`: colocated trainer and inference, through shared memory or CUDA IPC.
+
+Import the pieces from their modules (`wt_ipc.trainer`, `wt_ipc.worker`) or
+from here; importing this package imports neither engine until it is used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from wt_ipc.protocol import IPCUpdateInfo, IPCWorkerInitInfo
+    from wt_ipc.trainer import IPCTrainerEngine, IPCTrainerInitInfo
+    from wt_ipc.worker import IPCWorkerEngine
+
+__all__ = [
+    "IPCTrainerInitInfo",
+    "IPCTrainerEngine",
+    "IPCWorkerEngine",
+    "IPCWorkerInitInfo",
+    "IPCUpdateInfo",
+]
+
+_HOMES = {
+    "IPCTrainerInitInfo": "wt_ipc.trainer",
+    "IPCTrainerEngine": "wt_ipc.trainer",
+    "IPCWorkerEngine": "wt_ipc.worker",
+    "IPCWorkerInitInfo": "wt_ipc.protocol",
+    "IPCUpdateInfo": "wt_ipc.protocol",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(name)
+    import importlib
+
+    return getattr(importlib.import_module(home), name)

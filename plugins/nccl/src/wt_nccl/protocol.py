@@ -19,16 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from weight_transfer.backend import (
-    MAX_BUFFERS,
     Bucket,
     BucketPlan,
     GroupInitInfo,
     ParamListUpdateInfo,
     ParamMeta,
     Piece,
-    check_int_range,
-    check_staging,
-    host_memory_bytes,
+    WireParams,
     plan_buckets,
 )
 
@@ -46,62 +43,9 @@ __all__ = [
 HEADER_OK = 0
 HEADER_ABORT = 1
 
-DEFAULT_BUFFER_BYTES = 1 << 30
-DEFAULT_MIN_BUCKET_BYTES = 32 << 20
-
 
 class TrainerAbortedError(RuntimeError):
     """The trainer abandoned the round; the worker rolls back."""
-
-
-@dataclass
-class WireParams:
-    """Must-agree parameters; the trainer is their only source.
-
-    Mixed into both the trainer's and the worker's init info; `wire` is a
-    detached copy that engines keep.
-    """
-
-    packed: bool = True
-    packed_buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
-    packed_num_buffers: int = 2
-    packed_min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES
-
-    def validate(self, what: str) -> None:
-        """Raise `ValueError` naming the field, the value and the limit."""
-        check_int_range(
-            self.packed_buffer_size_bytes,
-            field="packed_buffer_size_bytes",
-            what=what,
-            low=64,
-            high=host_memory_bytes(),
-        )
-        check_int_range(
-            self.packed_num_buffers, field="packed_num_buffers", what=what, low=1, high=MAX_BUFFERS
-        )
-        check_int_range(
-            self.packed_min_bucket_bytes,
-            field="packed_min_bucket_bytes",
-            what=what,
-            low=0,
-            high=host_memory_bytes(),
-        )
-        if self.packed:
-            check_staging(
-                self.packed_buffer_size_bytes,
-                self.packed_num_buffers,
-                field="packed_buffer_size_bytes",
-                what=what,
-            )
-
-    @property
-    def wire(self) -> WireParams:
-        return WireParams(
-            self.packed,
-            self.packed_buffer_size_bytes,
-            self.packed_num_buffers,
-            self.packed_min_bucket_bytes,
-        )
 
 
 @dataclass

@@ -19,14 +19,15 @@ import torch
 
 from weight_transfer.backend import (
     AlignedFailure,
-    Bucket,
     BucketPlan,
     GroupChannel,
     GroupTrainerFields,
+    Packer,
     ParamMeta,
     ResyncTrainerEngine,
     RotatingBuffers,
     SendWindow,
+    StatelessGroup,
     TrainerInitInfo,
     Transfer,
     VLLMWeightSyncClient,
@@ -75,7 +76,9 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
         self.info = info
         self.wire = info.wire
         self.device = info.resolved_device()
-        self.channel = GroupChannel("nccl", remedy="call trainer_init again")
+        self.channel: GroupChannel[StatelessGroup] = GroupChannel(
+            "nccl", remedy="call trainer_init again"
+        )
         self._buffers = RotatingBuffers(self.wire.packed_num_buffers, self.device)
         self._plan_key: tuple[ParamMeta, ...] | None = None
         self._plan: BucketPlan | None = None
@@ -124,7 +127,7 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
         plan = self._plan_for(metas)
         with self.channel.on_wire("a broadcast") as group:
             window = SendWindow(self._buffers, transfer)
-            packer = _Packer(pairs)
+            packer = Packer(pairs)
             for k, bucket in enumerate(plan.buckets):
                 window.free(k)
                 try:  # only the source can fail here: tell the workers, keep the group
@@ -158,26 +161,3 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
     def shutdown(self) -> None:
         self.channel.close()
         self._buffers.release()
-
-
-class _Packer:
-    """Copies the pieces of consecutive buckets out of the checked source pairs."""
-
-    def __init__(self, pairs: Iterator[tuple[ParamMeta, torch.Tensor]]) -> None:
-        self.pairs = pairs
-        self.current: torch.Tensor | None = None  # bytes of the parameter being packed
-
-    def pack(self, bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
-        for piece in bucket.pieces:
-            if piece.start == 0:
-                self.current = as_bytes(next(self.pairs)[1])
-            assert self.current is not None
-            out[piece.offset : piece.offset + piece.nbytes].copy_(
-                self.current[piece.start : piece.start + piece.nbytes]
-            )
-        return out
-
-    def exhaust(self) -> None:
-        """Run the source to its end (the check for an extra parameter runs there)."""
-        for _ in self.pairs:
-            pass

@@ -25,6 +25,7 @@ from weight_transfer.backend import (
     LoadFailed,
     LoadPipeline,
     RotatingBuffers,
+    StatelessGroup,
     Unpacker,
     WeightTransferEngine,
     check_declared,
@@ -50,7 +51,9 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         self, config: Any, vllm_config: Any, device: torch.device | str, model: torch.nn.Module
     ) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.channel = GroupChannel("nccl", remedy="the trainer must run trainer_init again")
+        self.channel: GroupChannel[StatelessGroup] = GroupChannel(
+            "nccl", remedy="the trainer must run trainer_init again"
+        )
         self.wire: WireParams | None = None
         self._buffers: RotatingBuffers | None = None
 

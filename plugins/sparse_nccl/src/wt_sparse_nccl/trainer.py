@@ -31,6 +31,7 @@ from weight_transfer.backend import (
     AlignedFailure,
     GroupChannel,
     GroupTrainerFields,
+    StatelessGroup,
     SyncTracker,
     TrainerInitInfo,
     TrainerRound,
@@ -86,7 +87,9 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
     ) -> None:
         super().__init__(client=client, source=None, is_sender=is_sender, timeout_s=info.timeout_s)
         self.info = info
-        self.channel = GroupChannel(BACKEND, remedy="run trainer_init again")
+        self.channel: GroupChannel[StatelessGroup] = GroupChannel(
+            BACKEND, remedy="run trainer_init again"
+        )
         self._round: TrainerRound | None = None
 
     @classmethod

@@ -221,7 +221,9 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
         model: torch.nn.Module,
     ) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.channel = GroupChannel("sparse_nccl", remedy="the trainer must run trainer_init again")
+        self.channel: GroupChannel[StatelessGroup] = GroupChannel(
+            "sparse_nccl", remedy="the trainer must run trainer_init again"
+        )
 
     def init_transfer_engine(self, init_info: SparseNCCLInitInfo) -> None:
         self.channel.admit(init_info.trainer_id, replace=init_info.replace)

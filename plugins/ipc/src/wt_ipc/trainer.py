@@ -1,0 +1,280 @@
+"""Trainer side of the `ipc` backend: rank 0 writes buckets into staging the workers map.
+
+`trainer_init` (rank 0) allocates the staging buffers (shared memory for a
+CPU trainer, device buffers exported by CUDA IPC for a CUDA one), listens on
+a private control socket and runs the workers' `init_weight_transfer_engine`
+with the handshake; each worker maps the buffers and says hello on the
+socket. Once all `num_workers` have, the segment names are unlinked.
+
+Core's `ResyncTrainerEngine` drives the round; `transmit` is the data step:
+for each bucket `k`, wait until every worker released buffer `k % n`
+(`SendWindow` over `Credits` futures, which also watches the workers'
+`update_weights` and fails at once if a worker's link closes), pack the
+bucket into it, publish, send `READY`. A source that fails sends `ABORT`.
+Every frame names its round, so any failure other than a closed link leaves
+the link able to carry the next round.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from weight_transfer.backend import (
+    AlignedFailure,
+    BucketPlan,
+    Credits,
+    Frame,
+    GroupChannel,
+    LocalLink,
+    LocalListener,
+    Packer,
+    ParamMeta,
+    ResyncTrainerEngine,
+    RotatingBuffers,
+    SendWindow,
+    TrainerInitInfo,
+    Transfer,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WireParams,
+    check_int_range,
+    check_timeout,
+    in_background,
+    param_list_payload,
+    payload_of,
+)
+from wt_ipc.planes import TrainerStaging
+from wt_ipc.protocol import ABORT, HELLO, MAX_WORKERS, READY, IPCWorkerInitInfo, plan_for
+
+__all__ = ["IPCTrainerInitInfo", "IPCTrainerEngine"]
+
+# Time the workers' init RPC may take beyond `timeout_s` (engine-side work).
+_RPC_GRACE_S = 30.0
+
+
+@dataclass
+class IPCTrainerInitInfo(WireParams, TrainerInitInfo):
+    """How a trainer configures the `ipc` backend.
+
+    The wire parameters size the staging (`packed_num_buffers` buffers of
+    `packed_buffer_size_bytes`, allocated in packed and unpacked mode alike;
+    unpacked puts one parameter per bucket). `num_workers` is how many
+    inference workers read them (every TP rank of every colocated replica);
+    `trainer_init` fails unless exactly that many attach. `device` is where the
+    source's tensors live and picks the plane: CPU -> shared memory, CUDA ->
+    CUDA IPC (default: the current CUDA device when there is one).
+    """
+
+    backend: ClassVar[str] = "ipc"
+    num_workers: int = field(default=1, kw_only=True)
+    timeout_s: float = field(default=300.0, kw_only=True)
+    device: str | None = field(default=None, kw_only=True)
+    replace_trainer: bool = field(default=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        what = type(self).__name__
+        check_timeout(self.timeout_s, field="timeout_s", what=what)
+        check_int_range(self.num_workers, field="num_workers", what=what, low=1, high=MAX_WORKERS)
+        self.validate(what, staged=True)
+
+    def resolved_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
+    init_info_cls = IPCTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None,
+        is_sender: bool,
+        info: IPCTrainerInitInfo,
+    ) -> None:
+        super().__init__(
+            client=client, source=source, is_sender=is_sender, timeout_s=info.timeout_s
+        )
+        self.info = info
+        self.wire = info.wire
+        self.device = info.resolved_device()
+        self.channel: GroupChannel[Credits] = GroupChannel("ipc", remedy="call trainer_init again")
+        self.staging: TrainerStaging | None = None
+        self.round_id = 0
+        self._plan_key: tuple[ParamMeta, ...] | None = None
+        self._plan: BucketPlan | None = None
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: IPCTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> IPCTrainerEngine:
+        """Rank 0: allocate the staging and attach every worker (see the module docstring)."""
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
+        if engine.is_sender:
+            engine._attach_workers()
+        return engine
+
+    def _attach_workers(self) -> None:
+        info = self.info
+        plane = "cuda" if self.device.type == "cuda" else "shm"
+        staging = TrainerStaging.create(
+            plane,
+            info.packed_num_buffers,
+            info.packed_buffer_size_bytes,
+            self.device,
+            readers=info.num_workers,
+        )
+        listener: LocalListener | None = None
+        links: list[LocalLink] = []
+        try:
+            listener = LocalListener()
+            payload = payload_of(
+                IPCWorkerInitInfo(
+                    **vars(self.wire),
+                    plane=plane,
+                    control_path=listener.path,
+                    trainer_pid=os.getpid(),
+                    timeout_s=info.timeout_s,
+                    trainer_id=self.trainer_id,
+                    replace=info.replace_trainer,
+                    **staging.fields(),
+                )
+            )
+            links = self._accept(listener, payload)
+            staging.attached()
+        except BaseException:
+            for link in links:
+                link.close()
+            staging.close()
+            raise
+        finally:
+            if listener is not None:
+                listener.close()
+        self.staging = staging
+        self.channel.connect(Credits(links))
+
+    def _accept(self, listener: LocalListener, payload: dict[str, Any]) -> list[LocalLink]:
+        """Run the workers' init while accepting their links; check their hellos."""
+        rpc = in_background(
+            lambda: self.client.init_weight_transfer_engine(payload), name="wt-init-rpc"
+        )
+        links: list[LocalLink] = []
+        try:
+            deadline = time.monotonic() + self.info.timeout_s + _RPC_GRACE_S
+            while not rpc.done():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the workers' init_weight_transfer_engine did not answer within "
+                        f"{self.info.timeout_s + _RPC_GRACE_S:g}s"
+                    )
+                link = listener.accept(0.05)
+                if link is not None:
+                    links.append(link)
+            rpc.result()  # raises the workers' error
+            while (link := listener.accept(0.0)) is not None:
+                links.append(link)
+            self._check_hellos(links)
+        except BaseException:
+            for link in links:
+                link.close()
+            raise
+        return links
+
+    def _check_hellos(self, links: list[LocalLink]) -> None:
+        expected = self.info.num_workers
+        if len(links) != expected:
+            raise ValueError(
+                f"IPCTrainerInitInfo: field 'num_workers' is {expected}, but {len(links)} "
+                "workers attached (count every TP rank of every colocated replica)"
+            )
+        seen: dict[int, int] = {}
+        for link in links:
+            hello = link.recv(self.info.timeout_s, "a worker's hello")
+            if hello.kind != HELLO or hello.value != link.peer_pid:
+                raise RuntimeError(f"{link.name} did not say hello on the control link")
+            if hello.index in seen or not 0 <= hello.index < expected:
+                raise ValueError(
+                    f"IPCTrainerInitInfo: workers attached with global indexes "
+                    f"{sorted([*seen, hello.index])}; with num_workers={expected} each of "
+                    f"0..{expected - 1} must attach once"
+                )
+            seen[hello.index] = link.peer_pid
+            link.name = f"worker {hello.index} (pid {link.peer_pid})"
+
+    def check_ready(self) -> None:
+        self.channel.require()
+
+    def update_info(self, metas: list[ParamMeta]) -> dict[str, Any]:
+        self.round_id += 1
+        return {
+            **param_list_payload(metas),
+            "trainer_id": self.trainer_id,
+            "round_id": self.round_id,
+        }
+
+    def num_chunks(self, metas: list[ParamMeta]) -> int:
+        return len(self._plan_for(metas).buckets)
+
+    def _plan_for(self, metas: list[ParamMeta]) -> BucketPlan:
+        key = tuple(metas)
+        if self._plan is None or key != self._plan_key:
+            self._plan, self._plan_key = plan_for(metas, self.wire), key
+        return self._plan
+
+    def transmit(
+        self,
+        metas: list[ParamMeta],
+        pairs: Iterator[tuple[ParamMeta, torch.Tensor]],
+        transfer: Transfer,
+    ) -> None:
+        plan = self._plan_for(metas)
+        staging = self.staging
+        assert staging is not None
+        round_id = self.round_id
+        with self.channel.on_wire("a round") as workers:
+            workers.begin(round_id)
+            window = SendWindow(RotatingBuffers.over(staging.slots), transfer)
+            packer = Packer(pairs)
+            try:
+                for k, bucket in enumerate(plan.buckets):
+                    out = window.buffer(k, bucket.nbytes)
+                    try:  # only the source can fail here: tell the workers
+                        packer.pack(bucket, out)
+                        if k == len(plan.buckets) - 1:
+                            packer.exhaust()
+                    except Exception as error:
+                        workers.send(Frame(ABORT, round_id, k, 0))
+                        raise AlignedFailure(error) from error
+                    staging.publish()
+                    workers.send(Frame(READY, round_id, k, bucket.nbytes))
+                    window.sent(k, [workers.released(round_id, k)], [])
+                    transfer.chunk_moved(bucket.nbytes)
+                if not plan.buckets:
+                    packer.exhaust()
+                window.drain("the workers' release of the last buckets")
+            except AlignedFailure:
+                raise
+            except Exception as error:
+                if workers.healthy:  # every frame names its round: the link is in step
+                    raise AlignedFailure(error) from error
+                raise
+
+    def shutdown(self) -> None:
+        self.channel.close()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None

@@ -1,0 +1,180 @@
+"""Worker side of the `ipc` backend: load each bucket from views into the trainer's staging.
+
+`init_transfer_engine` connects to the trainer's control socket (the kernel
+names the process at the other end), maps the staging buffers after checking
+every field against that process (`WorkerStaging.open`) and says hello.
+
+`receive_weights` walks the same layout as the trainer: for bucket `k` it
+waits for `READY(k)`, hands views into buffer `k % n` to core's
+`LoadPipeline` (copies where the buffer-reuse rule forbids views, as for any
+bucketed backend) and releases each buffer as soon as nothing refers to it.
+A load that fails drains the round (the worker keeps releasing, so the
+trainer finishes); an `ABORT` from the trainer, or its death (its socket
+closes), ends the round at once. Either way core's transaction rolls the
+model back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+
+from weight_transfer.backend import (
+    RELEASED,
+    AlignedFailure,
+    Frame,
+    GroupChannel,
+    LinkClosed,
+    LoadFailed,
+    LoadPipeline,
+    LocalLink,
+    Unpacker,
+    WeightTransferEngine,
+    WireParams,
+    check_declared,
+    connect_local,
+)
+from wt_ipc.planes import WorkerStaging
+from wt_ipc.protocol import (
+    ABORT,
+    HELLO,
+    READY,
+    IPCUpdateInfo,
+    IPCWorkerInitInfo,
+    TrainerAbortedError,
+    plan_for,
+)
+
+__all__ = ["IPCWorkerEngine"]
+
+
+class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
+    init_info_cls = IPCWorkerInitInfo
+    update_info_cls = IPCUpdateInfo
+
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device | str, model: torch.nn.Module
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.channel: GroupChannel[LocalLink] = GroupChannel(
+            "ipc", remedy="the trainer must run trainer_init again"
+        )
+        self.wire: WireParams | None = None
+        self.staging: WorkerStaging | None = None
+        self.timeout_s = 300.0
+        self.last_round = 0
+
+    def init_transfer_engine(self, init_info: IPCWorkerInitInfo) -> None:
+        """Attach to the trainer's staging (replacing a previous attachment)."""
+        self.channel.admit(init_info.trainer_id, replace=init_info.replace)
+        self._detach("the last init_weight_transfer_engine failed")
+        link = connect_local(init_info.control_path, init_info.timeout_s)
+        index = self.position.global_index
+        try:
+            staging = WorkerStaging.open(
+                init_info, index, peer_pid=link.peer_pid, peer_uid=link.peer_uid
+            )
+        except BaseException:
+            link.close()
+            raise
+        try:
+            link.send(Frame(HELLO, -1, index, os.getpid()))
+        except BaseException:
+            staging.close()
+            link.close()
+            raise
+        self.wire, self.staging = init_info.wire, staging
+        self.timeout_s, self.last_round = init_info.timeout_s, 0
+        self.channel.connect(link, holder=init_info.trainer_id)
+
+    def start_weight_update(self) -> None:
+        """Nothing beyond core's transaction (the loader has begun)."""
+
+    def receive_weights(self, update_info: IPCUpdateInfo) -> None:
+        wire, staging = self.wire, self.staging
+        if wire is None or staging is None:
+            raise RuntimeError("update_weights before init_weight_transfer_engine")
+        self.channel.check_holder(update_info.trainer_id)
+        round_id = update_info.round_id
+        if round_id <= self.last_round:
+            raise ValueError(
+                f"update_info: field 'round_id' is {round_id}, but round {self.last_round} "
+                "already ran on this link (a stale or replayed update)"
+            )
+        check_declared(update_info.metas, self.model, what="update_info")
+        plan = plan_for(update_info.metas, wire)
+        if plan.max_bucket_bytes > wire.packed_buffer_size_bytes:  # never, by construction
+            raise ValueError("update_info: the layout does not fit the staging buffers")
+        self.last_round = round_id
+        slots = staging.slots
+        with self.channel.on_wire("receiving a round") as link:
+            released = 0
+
+            def release(upto: int) -> None:
+                nonlocal released
+                if upto > released:
+                    staging.reads_done()
+                    link.send(Frame(RELEASED, round_id, 0, upto))
+                    released = upto
+
+            unpacker = Unpacker(plan, staging.device)
+            pipeline = LoadPipeline(
+                self.loader.load, len(slots), self.timeout_s, name="wt-ipc-load"
+            )
+            try:
+                for k, bucket in enumerate(plan.buckets):
+                    pipeline.before_receive(k)
+                    release(k - len(slots) + 1)  # the reuse rule frees bucket k - n by now
+                    frame = self._next_frame(link, round_id, f"bucket {k}")
+                    if frame.kind == ABORT:
+                        raise AlignedFailure(
+                            TrainerAbortedError(
+                                f"the trainer aborted the update at bucket {k} of "
+                                f"{len(plan.buckets)}; see the trainer's error"
+                            )
+                        )
+                    if (frame.kind, frame.index, frame.value) != (READY, k, bucket.nbytes):
+                        raise RuntimeError(
+                            f"control link out of step: expected READY of bucket {k} "
+                            f"({bucket.nbytes} bytes), got {frame}"
+                        )
+                    if not pipeline.draining:
+                        data = slots[k % len(slots)][: bucket.nbytes]
+                        pipeline.submit(unpacker.unpack(k, data, view_horizon=pipeline.horizon))
+                try:
+                    pipeline.finish()
+                except LoadFailed as failed:
+                    raise AlignedFailure(failed) from failed
+            finally:
+                pipeline.close()
+                with contextlib.suppress(LinkClosed):
+                    release(len(plan.buckets))
+
+    def _next_frame(self, link: LocalLink, round_id: int, what: str) -> Frame:
+        """The next frame of `round_id`, skipping those a round that ended early left."""
+        while True:
+            frame = link.recv(self.timeout_s, f"the trainer's notice of {what}")
+            if frame.round_id == round_id:
+                return frame
+            if frame.round_id > round_id:
+                raise RuntimeError(
+                    f"the trainer is at round {frame.round_id}, this update is for round {round_id}"
+                )
+
+    def finish_weight_update(self) -> None:
+        """Nothing beyond core's transaction (the loader commits)."""
+
+    def _detach(self, reason: str) -> None:
+        self.channel.drop(reason)
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+
+    def shutdown(self) -> None:
+        self.channel.close()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None

@@ -1,0 +1,483 @@
+"""wt-ipc on CPU (shared memory): a trainer (this process or a spawned one) and real
+worker processes that load from views into its segments."""
+
+from __future__ import annotations
+
+import glob
+import json
+import multiprocessing as mp
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.backends.ipc.models import BIG
+from tests.harness import WorkerPool, digest
+from tests.sources import DictSource, DisagreeingSource, mixed_tensors
+from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
+from weight_transfer.backend import SharedSegment
+from wt_ipc import IPCTrainerInitInfo
+
+WORKERS = 2
+MODEL = "tests.backends.ipc.models:mixed_model"
+
+
+def our_segments(pid: int | None = None) -> list[str]:
+    """Names in /dev/shm that a wt process (`pid`, default: any) created."""
+    return sorted(os.path.basename(p) for p in glob.glob(f"/dev/shm/wt-{pid or '*'}-*"))
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[WorkerPool]:
+    with WorkerPool("ipc", WORKERS) as p:
+        yield p
+
+
+def connect(pool: WorkerPool, source: Any, client: Any = None, **wire: Any) -> Any:
+    wire.setdefault("timeout_s", 30.0)
+    wire.setdefault("num_workers", len(pool.processes))
+    info = IPCTrainerInitInfo(rank=0, **wire)
+    return WeightTransferTrainerFactory.trainer_init(
+        info, client=client or pool.client(), source=source
+    )
+
+
+def assert_received(pool: WorkerPool, tensors: dict[str, torch.Tensor]) -> None:
+    want = {n: digest(t) for n, t in tensors.items()}
+    for rank, got in enumerate(pool.each("digests")):
+        for name in want:
+            assert got.get(name) == want[name], f"worker {rank}: {name} differs"
+
+
+WIRE_MODES = {
+    "packed": {"packed": True, "packed_buffer_size_bytes": 1 << 20},
+    "packed-small-buffers": {
+        "packed": True,
+        "packed_buffer_size_bytes": 2048,
+        "packed_min_bucket_bytes": 0,
+    },
+    "packed-three-buffers": {
+        "packed": True,
+        "packed_buffer_size_bytes": 4096,
+        "packed_num_buffers": 3,
+    },
+    "packed-one-buffer": {
+        "packed": True,
+        "packed_buffer_size_bytes": 4096,
+        "packed_num_buffers": 1,
+    },
+    "unpacked": {"packed": False, "packed_buffer_size_bytes": 1 << 20},
+    "unpacked-small-buffers": {"packed": False, "packed_buffer_size_bytes": 2048},
+}
+
+
+@pytest.mark.parametrize("mode", list(WIRE_MODES))
+def test_mixed_dtypes_three_rounds_bit_exact(pool: WorkerPool, mode: str) -> None:
+    """fp32 / bf16 / fp16 / int8 / int64, a tensor larger than the small buffers; the
+    workers hold loader arguments by reference until a layer completes, so a buffer
+    reused too early would show up as wrong values."""
+    tensors = mixed_tensors(0, big_numel=3000)  # 12 KB: larger than the small buffers
+    pool.each("set_names", list(tensors))
+    engine = connect(pool, DictSource(tensors), **WIRE_MODES[mode])
+    for round_ in range(3):
+        fresh = mixed_tensors(round_ + 1, big_numel=3000)
+        for name, t in tensors.items():
+            t.copy_(fresh[name])
+        engine.send_weights(weight_version=f"round-{round_}")
+        assert_received(pool, tensors)
+        assert pool.each("weight_version") == [f"round-{round_}"] * WORKERS
+    engine.shutdown()
+
+
+def test_tensor_larger_than_a_buffer_is_split_and_reassembled(pool: WorkerPool) -> None:
+    big = torch.randn(10_000, generator=torch.Generator().manual_seed(3))  # 40 KB
+    tensors = {"a.weight": torch.arange(5, dtype=torch.int16), "b.weight": big}
+    pool.each("set_names", list(tensors))
+    engine = connect(pool, DictSource(tensors), packed_buffer_size_bytes=4096)
+    assert engine.num_chunks(DictSource(tensors).metadata()) >= 10
+    engine.send_weights()
+    assert_received(pool, tensors)
+    engine.shutdown()
+
+
+class _Recording:
+    """Forwards to `inner`; keeps every payload, and runs `on_init(payload)` first."""
+
+    def __init__(self, inner: Any, on_init: Callable[[dict[str, Any]], None] | None = None):
+        self.inner = inner
+        self.on_init = on_init
+        self.payloads: list[Any] = []
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.payloads.append(init_info)
+        if self.on_init is not None:
+            self.on_init(init_info)
+        self.inner.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.inner.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.payloads.append(update_info)
+        self.inner.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.inner.finish_weight_update(weight_version)
+
+
+def test_payloads_are_json_and_segments_private_and_unlinked_once_attached(
+    pool: WorkerPool,
+) -> None:
+    seen: dict[str, tuple[int, int]] = {}
+
+    def inspect(payload: dict[str, Any]) -> None:
+        for name in payload["segment_names"]:
+            info = os.stat(f"/dev/shm/{name}")
+            seen[name] = (stat.S_IMODE(info.st_mode), info.st_size)
+
+    tensors = mixed_tensors(4)
+    pool.each("set_names", list(tensors))
+    client = _Recording(pool.client(), on_init=inspect)
+    engine = connect(pool, DictSource(tensors), client, packed_buffer_size_bytes=8192)
+    assert len(seen) == 2
+    for name, (mode, size) in seen.items():
+        assert name.startswith(f"wt-{os.getpid()}-") and len(name.split("-")[2]) == 32
+        assert (mode, size) == (0o600, 8192)
+    assert our_segments(os.getpid()) == []  # unlinked once both workers attached
+    engine.send_weights()
+    assert_received(pool, tensors)
+    assert len(client.payloads) == 2
+    for payload in client.payloads:
+        assert json.loads(json.dumps(payload)) == payload  # plain JSON: nothing to unpickle
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def foreign_segment() -> Iterator[str]:
+    """A wt segment that another process (not the trainer) owns."""
+    code = (
+        "import sys; from weight_transfer.backend import SharedSegment; "
+        "s = SharedSegment.create(1 << 20); print(s.name, flush=True); sys.stdin.read(); "
+        "s.close()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    name = proc.stdout.readline().strip()
+    yield name
+    proc.stdin.close()
+    proc.wait(30)
+
+
+class _Tampering(_Recording):
+    """Rewrites the handshake (`init`) or the update info (`update`) before forwarding."""
+
+    def __init__(
+        self,
+        inner: Any,
+        init: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        update: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(inner)
+        self.init = init
+        self.update = update
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.inner.init_weight_transfer_engine(self.init(init_info) if self.init else init_info)
+
+    def update_weights(self, update_info: Any) -> None:
+        self.inner.update_weights(self.update(update_info) if self.update else update_info)
+
+
+def _first_segment(value: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda p: {**p, "segment_names": [value, *p["segment_names"][1:]]}
+
+
+BAD_HANDSHAKES: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
+    "not-a-wt-name": (_first_segment("../../etc/passwd"), r"segment_names\[0\].*not a wt"),
+    "missing-segment": (
+        lambda p: _first_segment(f"wt-{os.getpid()}-{'0' * 32}")(p),
+        r"segment_names\[0\].*does not exist",
+    ),
+    "past-the-end": (
+        lambda p: {**p, "packed_buffer_size_bytes": p["packed_buffer_size_bytes"] * 2},
+        r"segment_names\[0\].*fewer than",
+    ),
+    "segment-count": (
+        lambda p: {**p, "segment_names": p["segment_names"][:1]},
+        r"'segment_names' has 1 entries",
+    ),
+    "trainer-pid": (lambda p: {**p, "trainer_pid": 1}, r"'trainer_pid' is 1"),
+    "plane": (lambda p: {**p, "plane": "nvlink"}, r"'plane' must be one of"),
+    "control-path": (lambda p: {**p, "control_path": "relative/sock"}, r"'control_path'"),
+    "buffer-count": (lambda p: {**p, "packed_num_buffers": 10**8}, r"'packed_num_buffers'"),
+}
+
+
+@pytest.mark.parametrize("case", [*BAD_HANDSHAKES, "foreign-segment"])
+def test_a_bad_handshake_is_refused_naming_the_field_with_nothing_loaded(
+    case: str, foreign_segment: str
+) -> None:
+    if case == "foreign-segment":
+        owner = foreign_segment.split("-")[1]
+        rewrite, match = _first_segment(foreign_segment), rf"belongs to process {owner}"
+    else:
+        rewrite, match = BAD_HANDSHAKES[case]
+    tensors = mixed_tensors(0, big_numel=BIG)
+    with WorkerPool("ipc", 1, model_factory=MODEL) as p:
+        before = {n: digest(t) for n, t in p.each("state_dict")[0].items()}
+        with pytest.raises(WeightSyncRPCError, match=match):
+            connect(p, DictSource(tensors), _Tampering(p.client(), init=rewrite))
+        assert our_segments(os.getpid()) == []  # the refused trainer released its segments
+        after = {n: digest(t) for n, t in p.each("state_dict")[0].items()}
+        assert after == before
+        target = mixed_tensors(5, big_numel=BIG)
+        engine = connect(p, DictSource(target))  # the worker is as good as new
+        engine.send_weights()
+        assert {n: digest(t) for n, t in p.each("state_dict")[0].items()} == {
+            n: digest(t) for n, t in target.items()
+        }
+        engine.shutdown()
+
+
+BAD_UPDATES: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], str]] = {
+    "dtype": (
+        lambda u: {**u, "dtype_names": ["Tensor", *u["dtype_names"][1:]]},
+        r"dtype_names\[0\]",
+    ),
+    "stale-round": (lambda u: {**u, "round_id": 0}, r"'round_id' is 0"),
+    "oversized": (
+        lambda u: {**u, "shapes": [[10**12], *u["shapes"][1:]]},
+        r"shapes\[0\]",
+    ),
+    "lengths": (lambda u: {**u, "names": u["names"][:-1]}, r"'names' has"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_UPDATES))
+def test_a_bad_update_is_refused_naming_the_field_and_the_previous_weights_stay(
+    case: str,
+) -> None:
+    rewrite, match = BAD_UPDATES[case]
+    first = mixed_tensors(1, big_numel=BIG)
+    with WorkerPool("ipc", 1, model_factory=MODEL) as p:
+        client = _Tampering(p.client())
+        engine = connect(p, DictSource(first), client, packed_buffer_size_bytes=4096)
+        engine.send_weights()
+        want = {n: digest(t) for n, t in first.items()}
+        client.update = rewrite
+        engine.source = DictSource(mixed_tensors(2, big_numel=BIG))
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncRPCError, match=match):
+            engine.send_weights()
+        assert time.monotonic() - t0 < 10
+        assert {n: digest(t) for n, t in p.each("state_dict")[0].items()} == want
+        client.update = None
+        target = mixed_tensors(3, big_numel=BIG)
+        engine.source = DictSource(target)
+        engine.send_weights()  # the link carries the next round
+        assert {n: digest(t) for n, t in p.each("state_dict")[0].items()} == {
+            n: digest(t) for n, t in target.items()
+        }
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("how", ["reorder", "redtype", "missing", "extra"])
+def test_source_disagreeing_with_metadata_aborts_and_the_next_round_works(
+    pool: WorkerPool, how: str
+) -> None:
+    tensors = mixed_tensors(11)
+    names = list(tensors)
+    pool.each("set_names", names)
+    engine = connect(
+        pool, DisagreeingSource(tensors, how, 4), packed_buffer_size_bytes=1024,
+        packed_min_bucket_bytes=0,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        engine.send_weights()
+    assert time.monotonic() - t0 < 10
+    assert ("surplus.weight" if how == "extra" else names[4]) in str(err.value)
+    engine.source = DictSource(tensors)
+    engine.send_weights()
+    assert_received(pool, tensors)
+    engine.shutdown()
+
+
+def test_a_failing_load_drains_the_round_and_the_next_one_works(pool: WorkerPool) -> None:
+    tensors = mixed_tensors(5)
+    names = list(tensors)
+    pool.each("set_names", names)
+    engine = connect(pool, DictSource(tensors), packed_buffer_size_bytes=1024)
+    pool.each("set_fail_on", names[6])
+    with pytest.raises(WeightSyncRPCError) as err:
+        engine.send_weights()
+    assert names[6] in str(err.value)
+    pool.each("set_fail_on", None)
+    engine.send_weights()
+    assert_received(pool, tensors)
+    engine.shutdown()
+
+
+def test_a_second_trainer_is_refused_unless_it_replaces_the_first(pool: WorkerPool) -> None:
+    tensors = mixed_tensors(6)
+    pool.each("set_names", list(tensors))
+    first = connect(pool, DictSource(tensors))
+    with pytest.raises(WeightSyncRPCError, match=r"serves trainer .* replace_trainer=True"):
+        connect(pool, DictSource(tensors))
+    second = connect(pool, DictSource(tensors), replace_trainer=True)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=r"now serves trainer|closed the control link"):
+        first.send_weights()
+    assert time.monotonic() - t0 < 10
+    second.send_weights()
+    assert_received(pool, tensors)
+    first.shutdown()
+    second.shutdown()
+
+
+def test_num_workers_must_match_the_workers_that_attach(pool: WorkerPool) -> None:
+    with pytest.raises(ValueError, match=r"'num_workers' is 1, but 2 workers attached"):
+        connect(pool, DictSource(mixed_tensors(0)), num_workers=1)
+    assert our_segments(os.getpid()) == []
+
+
+def test_a_hundred_syncs_leave_dev_shm_and_descriptors_as_they_were(pool: WorkerPool) -> None:
+    tensors = mixed_tensors(8)
+    pool.each("set_names", list(tensors))
+    shm_before = our_segments()
+    engine = connect(pool, DictSource(tensors), packed_buffer_size_bytes=4096)
+    engine.send_weights()
+    fds_after_first = len(os.listdir("/proc/self/fd"))
+    for _ in range(99):
+        engine.send_weights()
+    assert_received(pool, tensors)
+    assert len(os.listdir("/proc/self/fd")) == fds_after_first
+    assert our_segments() == shm_before
+    engine.shutdown()
+    assert our_segments() == shm_before
+
+
+# --- processes that die mid-round
+
+
+class _Stalling(DictSource):
+    """Yields `stall_at` tensors, sets `stalled`, then hangs (a trainer about to be killed)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], stall_at: int, stalled: Any) -> None:
+        super().__init__(tensors)
+        self.stall_at = stall_at
+        self.stalled = stalled
+
+    def __iter__(self) -> Any:
+        for i, pair in enumerate(self.tensors.items()):
+            if i == self.stall_at:
+                self.stalled.set()
+                time.sleep(600)
+            yield pair
+
+
+def _doomed_trainer(client: Any, stall_at: int, stalled: Any, seed: int) -> None:
+    tensors = mixed_tensors(seed, big_numel=BIG)
+    info = IPCTrainerInitInfo(
+        rank=0, timeout_s=60.0, packed_buffer_size_bytes=1024, packed_min_bucket_bytes=0
+    )
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=DictSource(tensors)
+    )
+    engine.send_weights()  # round 1 completes
+    engine.source = _Stalling(tensors, stall_at, stalled)
+    engine.send_weights()
+
+
+@pytest.mark.parametrize("stall_at", [1, 9])
+def test_a_killed_trainer_fails_the_worker_at_once_keeps_its_weights_and_leaks_nothing(
+    stall_at: int,
+) -> None:
+    ctx = mp.get_context("spawn")
+    with WorkerPool("ipc", 1, model_factory=MODEL) as p:
+        stalled = ctx.Event()
+        trainer = ctx.Process(target=_doomed_trainer, args=(p.client(), stall_at, stalled, 7))
+        trainer.start()
+        try:
+            assert stalled.wait(120), "the trainer did not reach the stall"
+            time.sleep(0.5)  # the worker now waits for the next bucket
+        finally:
+            trainer.kill()
+            trainer.join(10)
+        t0 = time.monotonic()
+        client = p.client(timeout_s=60.0)
+        client.start_weight_update()  # runs once the worker's failed round has ended
+        elapsed = time.monotonic() - t0
+        client.finish_weight_update()
+        assert elapsed < 5.0, f"the worker noticed the dead trainer after {elapsed:.1f}s"
+        assert our_segments(trainer.pid) == []
+        round_one = {n: digest(t) for n, t in mixed_tensors(7, big_numel=BIG).items()}
+        assert {n: digest(t) for n, t in p.each("state_dict")[0].items()} == round_one
+
+        target = mixed_tensors(8, big_numel=BIG)
+        fresh = connect(p, DictSource(target))  # the dead holder is replaced freely
+        fresh.send_weights()
+        assert {n: digest(t) for n, t in p.each("state_dict")[0].items()} == {
+            n: digest(t) for n, t in target.items()
+        }
+        fresh.shutdown()
+
+
+def test_a_killed_worker_fails_the_trainer_at_once_and_leaks_nothing() -> None:
+    tensors = mixed_tensors(9, layers=8)
+    with WorkerPool("ipc", 2, names=list(tensors), load_delay_s=0.3) as p:
+        pids = [proc.pid for proc in p.processes]
+        engine = connect(
+            p, DictSource(tensors), p.client(timeout_s=60.0), timeout_s=60.0,
+            packed_buffer_size_bytes=1024, packed_min_bucket_bytes=0,
+        )  # fmt: skip
+        killer = threading.Timer(1.0, p.kill, args=(1,))
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as err:
+            engine.send_weights()
+        elapsed = time.monotonic() - t0
+        killer.join()
+        assert elapsed < 10, f"the trainer noticed the dead worker after {elapsed:.1f}s"
+        message = str(err.value).lower()
+        assert any(w in message for w in ("worker 1", "closed", "gone")), message
+        with pytest.raises(RuntimeError, match="trainer_init again"):
+            engine.send_weights()
+        engine.shutdown()
+        for pid in [os.getpid(), *pids]:
+            assert our_segments(pid) == []
+
+
+def test_segments_refuse_what_they_cannot_serve() -> None:
+    with pytest.raises(ValueError, match="positive size"):
+        SharedSegment.create(0)
+    segment = SharedSegment.create(4096)
+    try:
+        with pytest.raises(ValueError, match="belongs to process"):
+            SharedSegment.attach(segment.name, 4096, owner_pid=os.getpid() + 1, owner_uid=0)
+        with pytest.raises(ValueError, match="fewer than"):
+            SharedSegment.attach(segment.name, 8192, owner_pid=os.getpid(), owner_uid=os.getuid())
+        os.chmod(f"/dev/shm/{segment.name}", 0o644)
+        with pytest.raises(ValueError, match="not a private segment"):
+            SharedSegment.attach(segment.name, 4096, owner_pid=os.getpid(), owner_uid=os.getuid())
+        os.chmod(f"/dev/shm/{segment.name}", 0o600)
+        reader = SharedSegment.attach(
+            segment.name, 4096, owner_pid=os.getpid(), owner_uid=os.getuid()
+        )
+        segment.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        assert reader.tensor[:4].tolist() == [1, 2, 3, 4]  # one memory, two mappings
+        segment.unlink()
+        assert our_segments(os.getpid()) == []
+        assert reader.tensor[:4].tolist() == [1, 2, 3, 4]  # mappings outlive the name
+        reader.close()
+    finally:
+        segment.close()
