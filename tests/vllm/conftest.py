@@ -245,6 +245,16 @@ def connect(backend: str, client: Any, source: WeightSource, scratch: str) -> An
             packed_buffer_size_bytes=256 << 10,
             packed_min_bucket_bytes=0,
         )
+    elif backend == "ipc":
+        from wt_ipc import IPCTrainerInitInfo
+
+        info = IPCTrainerInitInfo(
+            rank=0,
+            timeout_s=60.0,
+            device="cpu",
+            packed_buffer_size_bytes=256 << 10,
+            packed_min_bucket_bytes=0,
+        )
     elif backend == "example_file":
         from wt_example.trainer import FileTrainerInitInfo
 

@@ -49,7 +49,7 @@ READY_TIMEOUT_S = 240.0
 
 
 class Server:
-    def __init__(self, model_dir: str, log_path: str) -> None:
+    def __init__(self, model_dir: str, log_path: str, backend: str = BACKEND) -> None:
         from weight_transfer.transport.group import free_port
 
         self.model_dir = model_dir
@@ -76,7 +76,7 @@ class Server:
             "--kv-cache-memory-bytes",
             str(32 << 20),
             "--weight-transfer-config",
-            json.dumps({"backend": f"wt_{BACKEND}"}),
+            json.dumps({"backend": f"wt_{backend}"}),
         ]
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115

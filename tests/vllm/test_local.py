@@ -28,7 +28,7 @@ pytest.importorskip("vllm")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-BACKENDS = ["nccl", "example_file"]
+BACKENDS = ["nccl", "ipc", "example_file"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -95,7 +95,7 @@ def test_failed_sync_keeps_previous_weights(
     assert engine.llm.get_weight_version() == f"after-{case}"
 
 
-@pytest.mark.parametrize("backend", ["nccl"])
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
 def test_trainer_side_failure_keeps_previous_weights(
     served: ServedEngines, references: References, backend: str
 ) -> None:

@@ -119,6 +119,46 @@ def test_ray_actor_sync(llm_actor: Any, references: References, tmp_path: Any) -
         trainer.shutdown()
 
 
+def test_ray_actor_sync_over_ipc(
+    ray_cluster: Any, tiny_dirs: TinyDirs, references: References, tmp_path: Any
+) -> None:
+    """`wt_ipc` in an `LLM` Ray actor on this host: the actor maps this process's
+    shared memory; JSON payloads through Ray, tokens equal to fresh engines'."""
+    require_backend("ipc")
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    actor_cls = ray_cluster.remote(num_cpus=1, runtime_env={"env_vars": ACTOR_ENV})(LLM)
+    actor = actor_cls.remote(
+        model=tiny_dirs[INITIAL_SEED],
+        weight_transfer_config=WeightTransferConfig(backend="wt_ipc"),
+        **LLM_KWARGS,
+    )
+    try:
+        ray_cluster.get(actor.get_weight_version.remote(), timeout=180)
+        client = VersionedClient(RayVLLMWeightSyncClient(actor, timeout=120.0))
+        source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
+        trainer = connect("ipc", client, source, str(tmp_path))
+        try:
+            for round_, seed in enumerate((3, 2), start=1):
+                source.inner = ModuleSource(hf_model(seed))
+                client.version = f"ray-ipc-{round_}"
+                trainer.send_weights()
+                assert generate(actor) == references.outputs(seed), f"round {round_}"
+                assert ray.get(actor.get_weight_version.remote(), timeout=60) == f"ray-ipc-{round_}"
+            down = "model.layers.1.mlp.down_proj.weight"
+            source.inner = AlteredSource(
+                hf_model(3), {down: (down, hf_model(3).lm_head.weight.detach())}
+            )
+            with pytest.raises(WeightSyncRPCError, match="down_proj"):
+                trainer.send_weights()
+            assert generate(actor) == references.outputs(2)
+        finally:
+            trainer.shutdown()
+    finally:
+        ray_cluster.kill(actor)
+
+
 def _async_llm_actor_class() -> type:
     """vLLM's `AsyncLLM` as a Ray actor: its own methods, plus `complete` for the test.
 

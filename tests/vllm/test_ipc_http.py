@@ -1,0 +1,95 @@
+"""`wt_ipc` inside a real vLLM API server process on this host, through
+`HTTPVLLMWeightSyncClient`: the handshake and every update are plain JSON (no
+insecure-deserialization switch), the server's engine maps this process's
+shared memory, and completions keep flowing while it syncs."""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.vllm.conftest import (
+    INITIAL_SEED,
+    AlteredSource,
+    References,
+    SwitchSource,
+    TinyDirs,
+    VersionedClient,
+    connect,
+    hf_model,
+    require_backend,
+)
+from weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightSyncRPCError
+
+pytest.importorskip("vllm")
+pytest.importorskip("httpx")
+
+from tests.vllm.test_http import Server, Traffic  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BACKEND = "ipc"
+
+
+@pytest.fixture(scope="module")
+def ipc_server(tiny_dirs: TinyDirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    require_backend(BACKEND)
+    log = tmp_path_factory.mktemp("ipc-http-server") / "server.log"
+    srv = Server(tiny_dirs[INITIAL_SEED], str(log), backend=BACKEND)
+    try:
+        srv.wait_ready()
+        assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_http_ipc_rounds_a_failure_and_syncs_under_traffic(
+    ipc_server: Server, references: References, tmp_path: Any
+) -> None:
+    server = ipc_server
+    assert server.generate() == references.outputs(INITIAL_SEED)
+    http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    client = VersionedClient(http)
+    source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
+    trainer = connect(BACKEND, client, source, str(tmp_path))
+    try:
+        assert glob.glob(f"/dev/shm/wt-{os.getpid()}-*") == []  # unlinked once attached
+        for round_, seed in enumerate((2, 3), start=1):
+            source.inner = ModuleSource(hf_model(seed))
+            client.version = f"ipc-{round_}"
+            trainer.send_weights()
+            assert server.generate() == references.outputs(seed), f"round {round_}"
+            assert server.weight_version() == f"ipc-{round_}"
+
+        down = "model.layers.1.mlp.down_proj.weight"
+        bogus = "model.layers.1.mlp.bogus_proj.weight"
+        model = hf_model(2)
+        source.inner = AlteredSource(model, {down: (bogus, dict(model.named_parameters())[down])})
+        client.version = "never"
+        with pytest.raises(WeightSyncRPCError, match="bogus_proj"):
+            trainer.send_weights()
+        assert server.generate() == references.outputs(3)
+        assert server.weight_version() == "ipc-2"
+
+        seeds = [2 + i % 2 for i in range(8)]
+        with Traffic(server) as traffic:
+            while traffic.done < 3 and not traffic.failures:
+                time.sleep(0.05)
+            for round_, seed in enumerate(seeds, start=1):
+                source.inner = ModuleSource(hf_model(seed))
+                client.version = f"ipc-traffic-{round_}"
+                trainer.send_weights()
+                time.sleep(0.05)
+        assert traffic.failures == []
+        assert traffic.done >= 8, traffic.done
+        assert server.generate() == references.outputs(seeds[-1])
+        assert server.weight_version() == f"ipc-traffic-{len(seeds)}"
+    finally:
+        trainer.shutdown()
+        http.close()
