@@ -268,6 +268,13 @@ class FanoutClient:
         self.call("finish_weight_update", weight_version)
 
 
+class ForbiddenClient:
+    """The client of a non-sender trainer rank, which must never reach the inference side."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"non-sender rank called client.{name}")
+
+
 class WorkerPool:
     """`n` worker processes of `backend`; use as a context manager (stops them by PID)."""
 

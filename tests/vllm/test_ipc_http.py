@@ -29,7 +29,7 @@ from weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightSyncRP
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
-from tests.vllm.test_http import Server, Traffic  # noqa: E402
+from tests.vllm.test_http import Server, Traffic
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

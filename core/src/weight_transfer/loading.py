@@ -19,6 +19,7 @@ in HF names (`load`). `loader_for` picks one per round:
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -61,7 +62,7 @@ class WeightLoader(Transaction, Protocol):
 
 
 class DirectLoader:
-    """Loads into a model outside vLLM, with an undo copy of its parameters.
+    """Loads into a model outside vLLM, with an undo copy of what a round changes.
 
     A model with `load_weights(iterable of (name, tensor))` loads through it
     (fused or renamed parameters are its business). A plain `nn.Module` is
@@ -69,25 +70,48 @@ class DirectLoader:
     shape and dtype must match exactly. A module with neither (no
     `load_weights`, no parameters) is refused at `begin`.
 
-    `begin()` copies every parameter, so `abort()` restores them whatever the
-    model's loader touched. Cost: one copy of the parameters per round.
+    Undo: a plain module's parameter is copied aside just before its first
+    overwrite in the round (on the loading thread, so it overlaps the
+    transfer); a model with its own `load_weights` may touch any parameter,
+    so all are copied aside at `begin()`. `abort()` copies back what was set
+    aside. The undo buffers belong to the model and are reused every round
+    (a fresh copy per round costs more in page faults than in copying); their
+    cost is one copy of the parameters, kept while the model lives.
+    Parameters keep their storage: loads and restores are in place.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self._undo: dict[str, torch.Tensor] | None = None
+        self._saved: set[str] | None = None  # names set aside this round
+
+    def _undo_store(self) -> dict[str, torch.Tensor]:
+        return _UNDO.setdefault(self.model, {})
+
+    def _set_aside(self, name: str, param: torch.Tensor) -> None:
+        assert self._saved is not None
+        store = self._undo_store()
+        saved = store.get(name)
+        if saved is None or saved.shape != param.shape or saved.dtype != param.dtype:
+            saved = store[name] = torch.empty_like(param)
+        saved.copy_(param.detach())
+        self._saved.add(name)
 
     def begin(self) -> None:
         params = dict(self.model.named_parameters())
-        if not callable(getattr(self.model, "load_weights", None)) and not params:
+        own_loader = callable(getattr(self.model, "load_weights", None))
+        if not own_loader and not params:
             raise TypeError(
                 f"{type(self.model).__name__} has neither load_weights(weights) nor "
                 "parameters: DirectLoader cannot load weights into it"
             )
-        self._undo = {n: p.detach().clone() for n, p in params.items()}
+        self._saved = set()
+        if own_loader:
+            with torch.no_grad():
+                for name, param in params.items():
+                    self._set_aside(name, param)
 
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        if self._undo is None:
+        if self._saved is None:
             raise RuntimeError("DirectLoader.load: no open round (begin() first, or aborted)")
         load_weights = getattr(self.model, "load_weights", None)
         if callable(load_weights):
@@ -96,6 +120,7 @@ class DirectLoader:
             self._copy_by_name(weights)
 
     def _copy_by_name(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        assert self._saved is not None
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in weights:
@@ -107,19 +132,28 @@ class DirectLoader:
                         f"{name!r}: received {tensor.dtype} {list(tensor.shape)}, the "
                         f"parameter is {param.dtype} {list(param.shape)}"
                     )
+                if name not in self._saved:
+                    self._set_aside(name, param)
                 param.copy_(tensor)
 
     def commit(self) -> None:
-        self._undo = None
+        self._saved = None
 
     def abort(self) -> None:
-        undo, self._undo = self._undo, None
-        if not undo:
+        saved, self._saved = self._saved, None
+        if not saved:
             return
         params = dict(self.model.named_parameters())
+        store = self._undo_store()
         with torch.no_grad():
-            for name, old in undo.items():
-                params[name].copy_(old)
+            for name in saved:
+                params[name].copy_(store[name])
+
+
+# Undo buffers per model (see `DirectLoader`); they go with the model.
+_UNDO: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 LoaderProvider = Callable[[torch.nn.Module, Any], "WeightLoader | None"]

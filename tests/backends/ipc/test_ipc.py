@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from tests.backends.ipc.models import BIG
-from tests.harness import WorkerPool, digest
+from tests.harness import ForbiddenClient, WorkerPool, digest
 from tests.sources import DictSource, DisagreeingSource, mixed_tensors
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.backend import SharedSegment
+from weight_transfer.backend import SharedSegment, free_port
 from wt_ipc import IPCTrainerInitInfo
 
 WORKERS = 2
@@ -364,6 +364,72 @@ def test_a_hundred_syncs_leave_dev_shm_and_descriptors_as_they_were(pool: Worker
     assert our_segments() == shm_before
     engine.shutdown()
     assert our_segments() == shm_before
+
+
+# --- a 2-rank trainer: every rank materializes, only rank 0 writes the staging
+
+
+def _trainer_rank(rank: int, group_port: int, client: Any, out: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from weight_transfer import ModuleSource
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=rank, world_size=2
+        )
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)  # identical full weights on both ranks
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for mod in model:
+            for pname, p in list(mod.named_parameters()):
+                sharded = distribute_tensor(p.detach(), mesh, [Shard(0)])
+                setattr(mod, pname, torch.nn.Parameter(sharded))
+        info = IPCTrainerInitInfo(rank=rank, num_workers=WORKERS, timeout_s=30)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=client if rank == 0 else ForbiddenClient(), source=ModuleSource(model)
+        )
+        engine.send_weights()
+        engine.send_weights()
+        out.put((rank, "ok", {n: digest(t) for n, t in full.items()}, engine.staging is None))
+        engine.shutdown()
+        dist.destroy_process_group()
+    except BaseException as e:
+        out.put((rank, "err", f"{type(e).__name__}: {e}", None))
+
+
+def test_two_rank_trainer_with_dtensor_source_two_workers() -> None:
+    ctx = mp.get_context("spawn")
+    with WorkerPool("ipc", WORKERS) as p:
+        p.each("set_names", ["0.weight", "0.bias", "1.weight", "1.bias"])
+        out = ctx.Queue()
+        port = free_port()
+        procs = [
+            ctx.Process(target=_trainer_rank, args=(r, port, p.client(), out)) for r in range(2)
+        ]
+        for proc in procs:
+            proc.start()
+        try:
+            results = {}
+            for _ in range(2):
+                rank, status, payload, no_staging = out.get(timeout=120)
+                results[rank] = (status, payload, no_staging)
+        finally:
+            for proc in procs:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+        assert results[0][0] == "ok", results[0]
+        assert results[1][0] == "ok", results[1]
+        assert results[0][2] is False and results[1][2] is True  # only rank 0 exports
+        for got in p.each("digests"):
+            assert got == results[0][1]
+        for proc in procs:
+            assert our_segments(proc.pid) == []
 
 
 # --- processes that die mid-round

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import WorkerPool, digest
+from tests.harness import ForbiddenClient, WorkerPool, digest
 from tests.sources import DictSource, DisagreeingSource, mixed_tensors
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
 from weight_transfer.transport.group import free_port
@@ -262,13 +262,6 @@ class _Rewriting:
 # --- a 2-rank trainer whose source all-gathers over the trainer's own default group
 
 
-class _ForbiddenClient:
-    """A non-sender rank must never reach the inference side."""
-
-    def __getattr__(self, name: str) -> Any:
-        raise AssertionError(f"non-sender rank called client.{name}")
-
-
 def _trainer_rank(rank: int, group_port: int, wt_port: int, client: Any, out: Any) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -291,7 +284,7 @@ def _trainer_rank(rank: int, group_port: int, wt_port: int, client: Any, out: An
                 setattr(mod, pname, torch.nn.Parameter(sharded))
         info = NCCLTrainerInitInfo("127.0.0.1", wt_port, 3, rank=rank, timeout_s=30)
         engine = WeightTransferTrainerFactory.trainer_init(
-            info, client=client if rank == 0 else _ForbiddenClient(), source=ModuleSource(model)
+            info, client=client if rank == 0 else ForbiddenClient(), source=ModuleSource(model)
         )
         engine.send_weights()
         engine.send_weights()

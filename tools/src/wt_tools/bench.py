@@ -10,7 +10,14 @@ starts vLLM on it in-process, and times, interleaved over `--repeats` rounds:
   this process pushing a `ModuleSource` through `LocalVLLMWeightSyncClient`;
   packed also with `check_finite=False`, which prices the non-finite check;
 - save + reload: write a safetensors checkpoint, then `reload_weights` from it
-  (what users do without a sync library).
+  (what users do without a sync library);
+- wt_ipc, packed and unpacked, into a second engine (backend `wt_ipc`) with
+  its own floor and save + reload: colocated, the bytes go through shared
+  memory instead of a socket;
+- ipc transport alone: the same tensors into a plain module of the same
+  shapes (no vLLM), against a one-thread memcpy of the same bytes; then 100
+  more syncs, after which /dev/shm usage and this process's RSS are compared
+  with their values after the first.
 
 Each round loads alternating weights, so every load really changes the model;
 after the last round the served tokens are checked against the trainer's
@@ -63,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from weight_transfer import LocalVLLMWeightSyncClient, ModuleSource
     from weight_transfer.factory import WeightTransferTrainerFactory
     from weight_transfer.transport.group import free_port
+    from wt_ipc import IPCTrainerInitInfo
     from wt_nccl import NCCLTrainerInitInfo
 
     spec = TinyLlamaSpec.large(num_hidden_layers=args.layers)
@@ -75,87 +83,111 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.cuda.is_available()
     extra: dict[str, Any] = {} if cuda else {"kv_cache_memory_bytes": 256 << 20}
-    llm = LLM(
-        model=served_dir,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=256,
-        distributed_executor_backend="uni",
-        weight_transfer_config=WeightTransferConfig(backend="wt_nccl"),
-        **extra,
-    )
-    client = LocalVLLMWeightSyncClient(llm)
+    llms = {
+        backend: LLM(
+            model=served_dir,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            distributed_executor_backend="uni",
+            weight_transfer_config=WeightTransferConfig(backend=f"wt_{backend}"),
+            **extra,
+        )
+        for backend in ("nccl", "ipc")
+    }
+    clients = {backend: LocalVLLMWeightSyncClient(llm) for backend, llm in llms.items()}
     sources = [ModuleSource(m) for m in targets]
+    device = "cuda" if cuda else "cpu"
 
-    connected: dict[str, Any] = {"wire": None, "engine": None}
+    connected: dict[str, tuple[dict[str, Any], Any]] = {}
 
-    def connect(wire: dict[str, Any]) -> Any:
-        """The trainer engine for `wire`; re-runs trainer_init (untimed) when it changes."""
-        if connected["wire"] != wire:
-            if connected["engine"] is not None:
-                connected["engine"].shutdown()
-            info = NCCLTrainerInitInfo(
-                "127.0.0.1", free_port(), 2, rank=0, device="cuda" if cuda else "cpu", **wire
-            )
-            connected["engine"] = WeightTransferTrainerFactory.trainer_init(
-                info, client=client, source=sources[0]
-            )
-            connected["wire"] = wire
-        return connected["engine"]
+    def connect(backend: str, wire: dict[str, Any]) -> Any:
+        """`backend`'s trainer engine for `wire`; re-runs trainer_init (untimed) on a change."""
+        if backend in connected and connected[backend][0] == wire:
+            return connected[backend][1]
+        if backend in connected:
+            connected[backend][1].shutdown()
+        info: Any
+        if backend == "nccl":
+            info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, device=device, **wire)
+        else:
+            info = IPCTrainerInitInfo(rank=0, device=device, **wire)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=clients[backend], source=sources[0]
+        )
+        connected[backend] = (wire, engine)
+        return engine
 
     ckpt = os.path.join(work, "ckpt")
 
-    def floor(i: int) -> Callable[[], None]:
-        weights = [(n, p.detach()) for n, p in targets[i].named_parameters()]
+    def floor(backend: str) -> Callable[[int], Callable[[], None]]:
+        def prepare(i: int) -> Callable[[], None]:
+            weights = [(n, p.detach()) for n, p in targets[i].named_parameters()]
 
-        def reload(worker: Any) -> None:
-            worker.model_runner.reload_weights(weights_iterator=iter(weights))
+            def reload(worker: Any) -> None:
+                worker.model_runner.reload_weights(weights_iterator=iter(weights))
 
-        def run() -> None:
-            llm.collective_rpc(reload)
+            return lambda: llms[backend].collective_rpc(reload)
 
-        return run
+        return prepare
 
     def sync_with(
-        wire: dict[str, Any], *, check_finite: bool = True
+        backend: str, wire: dict[str, Any], *, check_finite: bool = True
     ) -> Callable[[int], Callable[[], None]]:
         def prepare(i: int) -> Callable[[], None]:
-            engine = connect(wire)
+            engine = connect(backend, wire)
             engine.source = sources[i]
             engine.check_finite = check_finite
             return engine.send_weights
 
         return prepare
 
-    def save_and_reload(i: int) -> Callable[[], None]:
-        def run() -> None:
-            os.makedirs(ckpt, exist_ok=True)
-            state = {n: p.detach().contiguous() for n, p in targets[i].named_parameters()}
-            save_file(state, os.path.join(ckpt, "model.safetensors"))
-            llm.collective_rpc(
-                "reload_weights", kwargs={"weights_path": ckpt, "is_checkpoint_format": True}
-            )
+    def save_and_reload(backend: str) -> Callable[[int], Callable[[], None]]:
+        def prepare(i: int) -> Callable[[], None]:
+            def run() -> None:
+                os.makedirs(ckpt, exist_ok=True)
+                state = {n: p.detach().contiguous() for n, p in targets[i].named_parameters()}
+                save_file(state, os.path.join(ckpt, "model.safetensors"))
+                llms[backend].collective_rpc(
+                    "reload_weights", kwargs={"weights_path": ckpt, "is_checkpoint_format": True}
+                )
 
-        return run
+            return run
 
-    # name -> prepare(i) (untimed) returning the timed call. One engine at a time
-    # holds the worker's channel, so each wt variant is timed in its own block,
-    # interleaved with the floor (and save + reload) of that block.
+        return prepare
+
+    # Per block: name -> prepare(i) (untimed) returning the timed call. One
+    # trainer engine at a time holds a worker's channel, so each wire variant
+    # is timed in its own block, interleaved with that engine's floor (and
+    # save + reload); the first entry of a block is its floor.
     blocks: list[dict[str, Callable[[int], Callable[[], None]]]] = [
         {
-            "floor: vLLM reload from memory": floor,
-            "wt_nccl packed": sync_with({}),
-            "wt_nccl packed, no finite check": sync_with({}, check_finite=False),
-            "save + reload_weights": save_and_reload,
+            "floor: vLLM reload from memory": floor("nccl"),
+            "wt_nccl packed": sync_with("nccl", {}),
+            "wt_nccl packed, no finite check": sync_with("nccl", {}, check_finite=False),
+            "save + reload_weights": save_and_reload("nccl"),
         },
         {
-            "floor (unpacked block)": floor,
-            "wt_nccl unpacked": sync_with({"packed": False}),
+            "floor (unpacked block)": floor("nccl"),
+            "wt_nccl unpacked": sync_with("nccl", {"packed": False}),
+        },
+        {
+            "floor (ipc engine)": floor("ipc"),
+            "wt_ipc packed": sync_with("ipc", {}),
+            "wt_ipc packed, no finite check": sync_with("ipc", {}, check_finite=False),
+            "save + reload (ipc engine)": save_and_reload("ipc"),
+        },
+        {
+            "floor (ipc unpacked block)": floor("ipc"),
+            "wt_ipc unpacked": sync_with("ipc", {"packed": False}),
         },
     ]
     times: dict[str, list[float]] = {}
+    floor_of: dict[str, str] = {}
     for block in blocks:
-        for prepare in block.values():  # warm-up: first touches, allocator growth
+        block_floor = next(iter(block))
+        for name, prepare in block.items():  # warm-up: first touches, allocator growth
+            floor_of[name] = block_floor
             prepare(1)()
         for r in range(args.repeats):
             for name, prepare in block.items():
@@ -164,32 +196,202 @@ def main(argv: list[str] | None = None) -> int:
                 run()
                 times.setdefault(name, []).append(time.perf_counter() - t0)
 
-    # Correctness: what the engine serves now equals a sync of the same target.
+    # Correctness: what each engine serves now equals a sync of the same target.
     last = (args.repeats - 1) % 2
     prompt = "w1 w2 w3 w4"
-    after_reload = _greedy(llm, prompt)
-    sync_with({})(1 - last)()
-    sync_with({})(last)()
-    after_sync = _greedy(llm, prompt)
-    if after_sync != after_reload:
-        print("MISMATCH: tokens after wt_nccl differ from tokens after vLLM's reload")
-        return 1
+    for backend, llm in llms.items():
+        floor(backend)(last)()
+        after_reload = _greedy(llm, prompt)
+        sync_with(backend, {})(1 - last)()
+        sync_with(backend, {})(last)()
+        if _greedy(llm, prompt) != after_reload:
+            print(f"MISMATCH: tokens after wt_{backend} differ from tokens after vLLM's reload")
+            return 1
 
     rows = []
     print(f"\n{'method':<34} {'median s':>9} {'GB/s':>7} {'x floor':>8}")
     for name, ts in times.items():
-        floor_name = "floor (unpacked block)" if "unpacked" in name else next(iter(times))
-        base = statistics.median(times[floor_name])
+        base = statistics.median(times[floor_of[name]])
         med = statistics.median(ts)
         rows.append({"method": name, "median_s": med, "times_s": ts, "ratio_to_floor": med / base})
         print(f"{name:<34} {med:9.3f} {nbytes / 1e9 / med:7.2f} {med / base:8.2f}")
-    result = {"bytes": nbytes, "layers": args.layers, "repeats": args.repeats, "rows": rows}
+    ipc = statistics.median(times["wt_ipc packed"])
+    ipc_ratio = ipc / statistics.median(times["floor (ipc engine)"])
+    speedup = statistics.median(times["save + reload (ipc engine)"]) / ipc
+    print(
+        f"\nwt_ipc packed: {ipc_ratio:.2f}x its floor (goal <= 1.15x), {speedup:.2f}x faster "
+        "than save + reload (goal >= 2.5x)"
+    )
+    for _, engine in connected.values():
+        engine.shutdown()
+    transport = _in_fresh_process(_ipc_transport, spec, args.repeats)
+    for line in transport.pop("lines"):
+        print(line)
+    result = {
+        "bytes": nbytes,
+        "layers": args.layers,
+        "repeats": args.repeats,
+        "rows": rows,
+        "ipc": {"ratio_to_floor": ipc_ratio, "speedup_over_save_reload": speedup, **transport},
+    }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"\nwritten: {args.out}")
-    connected["engine"].shutdown()
     return 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _shm_used_bytes() -> int:
+    st = os.statvfs("/dev/shm")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _in_fresh_process(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`fn(*args)` in a spawned interpreter: vLLM pins this process's threads."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+class _CopyInPlace:
+    """A loader without undo: copies each tensor into the parameter of its name.
+
+    Prices the transport alone, next to `DirectLoader`, which also sets each
+    parameter aside before overwriting it (one more copy).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = dict(model.named_parameters())
+
+    def begin(self) -> None:
+        pass
+
+    def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in weights:
+                self.params[name].copy_(tensor)
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def _ipc_transport(spec: TinyLlamaSpec, repeats: int) -> dict[str, Any]:
+    """The ipc transport alone: a trainer and a plain-module worker in one process.
+
+    The worker is driven through core's `WorkerSession` (the trainer's client),
+    so its receive step runs on the trainer's update thread while the trainer
+    packs, as a colocated engine's would in its own process. Timed into a
+    module loaded by `DirectLoader` (with undo) and by a loader without undo,
+    interleaved with a one-thread memcpy of the same bytes; then 100 more
+    syncs, after which /dev/shm usage and RSS are compared with their values
+    after the first.
+    """
+    from weight_transfer import (
+        ModuleSource,
+        WeightTransferConfig,
+        WeightTransferEngineFactory,
+        WorkerPosition,
+        WorkerSession,
+    )
+    from weight_transfer.factory import WeightTransferTrainerFactory
+    from weight_transfer.loading import register_loader_provider
+    from wt_ipc import IPCTrainerInitInfo
+
+    targets = [tiny_llama(spec, seed=s) for s in (1, 2)]
+    sources = [ModuleSource(m) for m in targets]
+    plain, bare = tiny_llama(spec, seed=3), tiny_llama(spec, seed=4)
+    register_loader_provider(lambda model, _: _CopyInPlace(model) if model is bare else None)
+
+    def connect(model: torch.nn.Module) -> tuple[Any, Any]:
+        worker = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig("ipc"), WorkerPosition(), "cpu", model
+        )
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=0, device="cpu"),
+            client=WorkerSession(worker),
+            source=sources[0],
+        )
+        trainer.check_finite = False  # the transport alone
+        return trainer, worker
+
+    pairs = [
+        (dst.detach(), src.detach())
+        for dst, src in zip(plain.parameters(), targets[0].parameters(), strict=True)
+    ]
+    nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+
+    def memcpy() -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for dst, src in pairs:
+                dst.copy_(src)
+        finally:
+            torch.set_num_threads(threads)
+
+    def timed(fn: Callable[[], None]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    engines = {"undo": connect(plain), "no undo": connect(bare)}
+    memcpy()  # touch the destination
+    times: dict[str, list[float]] = {"memcpy": [], "undo": [], "no undo": []}
+    for r in range(repeats + 1):  # the first round warms up
+        times["memcpy"].append(timed(memcpy))
+        for name, (trainer, _) in engines.items():
+            trainer.source = sources[r % 2]
+            times[name].append(timed(trainer.send_weights))
+    for model in (plain, bare):
+        for got, want in zip(model.parameters(), targets[repeats % 2].parameters(), strict=True):
+            if not torch.equal(got, want):
+                raise RuntimeError("the ipc transport delivered different bytes")
+    med = {name: statistics.median(ts[1:]) for name, ts in times.items()}
+    trainer, worker = engines["undo"]
+    shm_first, rss_first = _shm_used_bytes(), _rss_bytes()
+    for r in range(100):
+        trainer.source = sources[r % 2]
+        trainer.send_weights()
+    shm_grew = _shm_used_bytes() - shm_first
+    rss_grew = _rss_bytes() - rss_first
+    for trainer, worker in engines.values():
+        trainer.shutdown()
+        worker.shutdown()
+
+    def rate(seconds: float) -> str:
+        return f"{seconds:.3f} s ({nbytes / 1e9 / seconds:.2f} GB/s)"
+
+    lines = [
+        f"one-thread memcpy of the same bytes: {rate(med['memcpy'])}",
+        f"ipc transport, no vLLM, loader without undo: {rate(med['no undo'])}, "
+        f"{med['memcpy'] / med['no undo']:.0%} of the memcpy (goal >= 70%)",
+        f"ipc transport, no vLLM, DirectLoader (undo copy): {rate(med['undo'])}, "
+        f"{med['memcpy'] / med['undo']:.0%} of the memcpy",
+        f"after 100 more syncs: /dev/shm used {shm_grew / 2**20:+.1f} MiB, RSS "
+        f"{rss_grew / 2**20:+.1f} MiB",
+    ]
+    return {
+        "memcpy_1thread_s": med["memcpy"],
+        "transport_no_undo_s": med["no undo"],
+        "transport_direct_loader_s": med["undo"],
+        "share_of_memcpy": med["memcpy"] / med["no undo"],
+        "shm_growth_bytes_after_100": shm_grew,
+        "rss_growth_bytes_after_100": rss_grew,
+        "lines": lines,
+    }
 
 
 if __name__ == "__main__":

@@ -54,6 +54,11 @@ from wt_ipc.protocol import ABORT, HELLO, MAX_WORKERS, READY, IPCWorkerInitInfo,
 
 __all__ = ["IPCTrainerInitInfo", "IPCTrainerEngine"]
 
+# Staging is reserved memory on CPU (pages of /dev/shm) and on the GPU, so it
+# defaults smaller than a group backend's buffers; a bucket still closes at
+# the first layer boundary after `packed_min_bucket_bytes`.
+DEFAULT_IPC_BUFFER_BYTES = 256 << 20
+
 # Time the workers' init RPC may take beyond `timeout_s` (engine-side work).
 _RPC_GRACE_S = 30.0
 
@@ -63,7 +68,7 @@ class IPCTrainerInitInfo(WireParams, TrainerInitInfo):
     """How a trainer configures the `ipc` backend.
 
     The wire parameters size the staging (`packed_num_buffers` buffers of
-    `packed_buffer_size_bytes`, allocated in packed and unpacked mode alike;
+    `packed_buffer_size_bytes`, 256 MiB by default, allocated in packed and unpacked mode alike;
     unpacked puts one parameter per bucket). `num_workers` is how many
     inference workers read them (every TP rank of every colocated replica);
     `trainer_init` fails unless exactly that many attach. `device` is where the
@@ -72,6 +77,7 @@ class IPCTrainerInitInfo(WireParams, TrainerInitInfo):
     """
 
     backend: ClassVar[str] = "ipc"
+    packed_buffer_size_bytes: int = DEFAULT_IPC_BUFFER_BYTES
     num_workers: int = field(default=1, kw_only=True)
     timeout_s: float = field(default=300.0, kw_only=True)
     device: str | None = field(default=None, kw_only=True)
