@@ -319,7 +319,7 @@ def _ipc_transport(spec: TinyLlamaSpec, repeats: int) -> dict[str, Any]:
         worker = WeightTransferEngineFactory.create_engine(
             WeightTransferConfig("ipc"), WorkerPosition(), "cpu", model
         )
-        trainer = WeightTransferTrainerFactory.trainer_init(
+        trainer: Any = WeightTransferTrainerFactory.trainer_init(
             IPCTrainerInitInfo(rank=0, device="cpu"),
             client=WorkerSession(worker),
             source=sources[0],
