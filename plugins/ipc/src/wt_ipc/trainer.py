@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from weight_transfer.backend import (
+    PEER_GRACE_S,
     AlignedFailure,
     BucketPlan,
     Credits,
@@ -277,6 +278,9 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
             except Exception as error:
                 if workers.healthy:  # every frame names its round: the link is in step
                     raise AlignedFailure(error) from error
+                reported = transfer.worker_error(within_s=PEER_GRACE_S)
+                if reported is not None and reported is not error:
+                    raise reported from error  # why the worker closed its link
                 raise
 
     def shutdown(self) -> None:
