@@ -40,13 +40,14 @@ def test_compare_rejects_wrong_tokens_and_logprobs() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_demo_runs_and_verifies() -> None:
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_demo_runs_and_verifies(backend: str) -> None:
     pytest.importorskip("vllm")
-    if not installed("nccl"):
-        pytest.skip("wt-nccl is not installed")
+    if not installed(backend):
+        pytest.skip(f"wt backend {backend!r} is not installed")
     env = dict(os.environ)
     proc = subprocess.run(
-        [sys.executable, "-m", "wt_tools.demo", "--steps", "2"],
+        [sys.executable, "-m", "wt_tools.demo", "--steps", "2", "--backend", backend],
         capture_output=True,
         text=True,
         timeout=280,
@@ -58,4 +59,4 @@ def test_demo_runs_and_verifies() -> None:
     assert len(steps) == 2 and all(ln.endswith("-> OK") for ln in steps), proc.stdout
     assert "GB/s" in steps[0]
     assert "verification passed" in proc.stdout
-    assert "wt nccl sync 2" in proc.stderr
+    assert f"wt {backend} sync 2" in proc.stderr

@@ -21,8 +21,8 @@
 Prints per-sync seconds and GB/s (plus wt's own sync log line; syncs longer
 than 2 s show a progress bar on a terminal). Exits 1 if any check fails.
 
-Full-resync backends (`nccl`, `example_file`, third-party ones whose trainer
-init info takes the usual fields) are supported; the trainer init info is
+Full-resync backends (`nccl`, `ipc`, `example_file`, third-party ones whose
+trainer init info takes the usual fields) are supported; the trainer init info is
 filled from its dataclass fields: `master_address`/`master_port`/`world_size`
 (a loopback group), `directory` (a scratch folder), `device`, `timeout_s`.
 """
