@@ -268,6 +268,14 @@ class FanoutClient:
         self.call("finish_weight_update", weight_version)
 
 
+def assert_received(pool: WorkerPool, tensors: dict[str, torch.Tensor]) -> None:
+    """Every worker of `pool` received exactly `tensors` (bit for bit)."""
+    want = {n: digest(t) for n, t in tensors.items()}
+    for rank, got in enumerate(pool.each("digests")):
+        for name in want:
+            assert got.get(name) == want[name], f"worker {rank}: {name} differs"
+
+
 class ForbiddenClient:
     """The client of a non-sender trainer rank, which must never reach the inference side."""
 

@@ -10,7 +10,7 @@ Trainer side
     `open_round` drives a round), `ResyncTrainerEngine` (full resync: supply
     `transmit`), `Transfer`, `TrainerRound`, `RoundClient`, `AlignedFailure`,
     `checked_iteration`, `track_sync` / `SyncTracker` (for rounds driven by
-    hand).
+    hand), `trainer_device` (a trainer init info's default device).
 
 Worker side
     `WeightTransferEngine` (the transaction lives in its base class, which
@@ -41,8 +41,8 @@ Transport
     `LocalListener` / `connect_local` / `LocalLink` / `Frame` / `LinkClosed`
     (a control link over a Unix socket), `Credits` / `RELEASED` (bucket
     releases as futures). Layout: `WireParams`, `plan_buckets`,
-    `plan_per_tensor`, `BucketPlan`, `Bucket`, `Piece`, `as_bytes`,
-    `RotatingBuffers`, `Packer`, `Unpacker`. Streaming: `SendWindow`,
+    `plan_per_tensor`, `PlanCache`, `BucketPlan`, `Bucket`, `Piece`,
+    `as_bytes`, `RotatingBuffers`, `Packer`, `Unpacker`. Streaming: `SendWindow`,
     `LoadPipeline`, `LoadFailed`. Waiting: `in_background`, `await_transfer`,
     `wait_for`, `work_future`, `all_settle`, `PEER_GRACE_S`, `CollectiveError`,
     `TransferTimeout`.
@@ -61,6 +61,7 @@ from weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
     synchronize_device,
+    trainer_device,
 )
 from weight_transfer.hooks import SyncTracker, track_sync
 from weight_transfer.limits import (
@@ -118,6 +119,7 @@ from weight_transfer.transport.packing import (
     BucketPlan,
     Packer,
     Piece,
+    PlanCache,
     RotatingBuffers,
     Unpacker,
     WireParams,
@@ -174,6 +176,7 @@ __all__ = [
     "WorkerPosition",
     "worker_position",
     "synchronize_device",
+    "trainer_device",
     "quiet_reload_warnings",
     "RELOAD_LOGGER",
     # payloads
@@ -220,6 +223,7 @@ __all__ = [
     "Piece",
     "as_bytes",
     "RotatingBuffers",
+    "PlanCache",
     "Packer",
     "Unpacker",
     "SendWindow",

@@ -60,6 +60,7 @@ __all__ = [
     "WeightTransferUpdateRequest",
     "WeightTransferEngine",
     "synchronize_device",
+    "trainer_device",
 ]
 
 UpdatePayload = dict[str, Any] | list[dict[str, Any]]
@@ -224,6 +225,15 @@ class WeightTransferUpdateRequest:
 
 TInitInfo = TypeVar("TInitInfo", bound=WeightTransferInitInfo)
 TUpdateInfo = TypeVar("TUpdateInfo", bound=WeightTransferUpdateInfo)
+
+
+def trainer_device(device: str | None) -> torch.device:
+    """`device`, or by default the current CUDA device when there is one, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def synchronize_device(device: torch.device) -> None:

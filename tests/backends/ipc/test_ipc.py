@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.backends.ipc.models import BIG
-from tests.harness import ForbiddenClient, WorkerPool, digest
+from tests.harness import ForbiddenClient, WorkerPool, assert_received, digest
 from tests.sources import DictSource, DisagreeingSource, mixed_tensors
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
 from weight_transfer.backend import SharedSegment, free_port
@@ -47,13 +47,6 @@ def connect(pool: WorkerPool, source: Any, client: Any = None, **wire: Any) -> A
     return WeightTransferTrainerFactory.trainer_init(
         info, client=client or pool.client(), source=source
     )
-
-
-def assert_received(pool: WorkerPool, tensors: dict[str, torch.Tensor]) -> None:
-    want = {n: digest(t) for n, t in tensors.items()}
-    for rank, got in enumerate(pool.each("digests")):
-        for name in want:
-            assert got.get(name) == want[name], f"worker {rank}: {name} differs"
 
 
 WIRE_MODES = {

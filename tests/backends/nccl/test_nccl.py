@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import ForbiddenClient, WorkerPool, digest
+from tests.harness import ForbiddenClient, WorkerPool, assert_received, digest
 from tests.sources import DictSource, DisagreeingSource, mixed_tensors
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
 from weight_transfer.transport.group import free_port
@@ -29,13 +29,6 @@ def connect(pool: WorkerPool, source: Any, **wire: Any) -> Any:
     wire.setdefault("timeout_s", 30.0)
     info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 1 + WORKERS, rank=0, **wire)
     return WeightTransferTrainerFactory.trainer_init(info, client=pool.client(), source=source)
-
-
-def assert_received(pool: WorkerPool, tensors: dict[str, torch.Tensor]) -> None:
-    want = {n: digest(t) for n, t in tensors.items()}
-    for rank, got in enumerate(pool.each("digests")):
-        for name in want:
-            assert got.get(name) == want[name], f"worker {rank}: {name} differs"
 
 
 WIRE_MODES = {
@@ -85,7 +78,7 @@ def test_tensor_larger_than_buffer_is_split_and_reassembled(pool: WorkerPool) ->
     tensors = {"a.weight": torch.arange(5, dtype=torch.int16), "b.weight": big}
     pool.each("set_names", list(tensors))
     engine = connect(pool, DictSource(tensors), packed_buffer_size_bytes=4096)
-    assert len(engine._plan_for(DictSource(tensors).metadata()).buckets) >= 10
+    assert len(engine.plan_for(DictSource(tensors).metadata()).buckets) >= 10
     engine.send_weights()
     assert_received(pool, tensors)
     engine.shutdown()

@@ -24,7 +24,7 @@ source iteration; `Unpacker` turns received buckets back into tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +41,7 @@ __all__ = [
     "plan_per_tensor",
     "as_bytes",
     "WireParams",
+    "PlanCache",
     "Packer",
     "RotatingBuffers",
     "Unpacker",
@@ -226,6 +227,26 @@ class WireParams:
             self.packed_num_buffers,
             self.packed_min_bucket_bytes,
         )
+
+
+class PlanCache:
+    """`plan(metas)` of the last parameter list, recomputed only when the list changes.
+
+    A trainer plans every round (`num_chunks`, then `transmit`); the layout of
+    an unchanged model is the same, and planning thousands of parameters is
+    not free.
+    """
+
+    def __init__(self, plan: Callable[[list[ParamMeta]], BucketPlan]) -> None:
+        self.plan = plan
+        self._key: tuple[ParamMeta, ...] | None = None
+        self._plan: BucketPlan | None = None
+
+    def __call__(self, metas: list[ParamMeta]) -> BucketPlan:
+        key = tuple(metas)
+        if self._plan is None or key != self._key:
+            self._plan, self._key = self.plan(metas), key
+        return self._plan
 
 
 class Packer:

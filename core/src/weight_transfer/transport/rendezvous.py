@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from weight_transfer.base import VLLMWeightSyncClient, WeightTransferInitInfo
+from weight_transfer.base import VLLMWeightSyncClient, WeightTransferInitInfo, trainer_device
 from weight_transfer.limits import check_int_range, check_timeout
 from weight_transfer.position import WorkerPosition
 from weight_transfer.transport.futures import in_background, wait_for
@@ -64,11 +64,7 @@ class GroupTrainerFields:
             )
 
     def resolved_device(self) -> torch.device:
-        if self.device is not None:
-            return torch.device(self.device)
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return trainer_device(self.device)
 
     def worker_group_fields(self, trainer_id: str) -> dict[str, Any]:
         """The matching `GroupInitInfo` fields for the workers (rank offset 1)."""

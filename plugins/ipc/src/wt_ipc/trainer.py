@@ -28,7 +28,6 @@ import torch
 from weight_transfer.backend import (
     PEER_GRACE_S,
     AlignedFailure,
-    BucketPlan,
     Credits,
     Frame,
     GroupChannel,
@@ -36,6 +35,7 @@ from weight_transfer.backend import (
     LocalListener,
     Packer,
     ParamMeta,
+    PlanCache,
     ResyncTrainerEngine,
     RotatingBuffers,
     SendWindow,
@@ -49,6 +49,7 @@ from weight_transfer.backend import (
     in_background,
     param_list_payload,
     payload_of,
+    trainer_device,
 )
 from wt_ipc.planes import TrainerStaging
 from wt_ipc.protocol import ABORT, HELLO, MAX_WORKERS, READY, IPCWorkerInitInfo, plan_for
@@ -91,11 +92,7 @@ class IPCTrainerInitInfo(WireParams, TrainerInitInfo):
         self.validate(what, staged=True)
 
     def resolved_device(self) -> torch.device:
-        if self.device is not None:
-            return torch.device(self.device)
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return trainer_device(self.device)
 
 
 class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
@@ -118,8 +115,7 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         self.channel: GroupChannel[Credits] = GroupChannel("ipc", remedy="call trainer_init again")
         self.staging: TrainerStaging | None = None
         self.round_id = 0
-        self._plan_key: tuple[ParamMeta, ...] | None = None
-        self._plan: BucketPlan | None = None
+        self.plan_for = PlanCache(lambda metas: plan_for(metas, self.wire))
 
     @classmethod
     def trainer_init(
@@ -234,13 +230,7 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         }
 
     def num_chunks(self, metas: list[ParamMeta]) -> int:
-        return len(self._plan_for(metas).buckets)
-
-    def _plan_for(self, metas: list[ParamMeta]) -> BucketPlan:
-        key = tuple(metas)
-        if self._plan is None or key != self._plan_key:
-            self._plan, self._plan_key = plan_for(metas, self.wire), key
-        return self._plan
+        return len(self.plan_for(metas).buckets)
 
     def transmit(
         self,
@@ -248,7 +238,7 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         pairs: Iterator[tuple[ParamMeta, torch.Tensor]],
         transfer: Transfer,
     ) -> None:
-        plan = self._plan_for(metas)
+        plan = self.plan_for(metas)
         staging = self.staging
         assert staging is not None
         round_id = self.round_id

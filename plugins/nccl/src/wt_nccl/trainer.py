@@ -19,11 +19,11 @@ import torch
 
 from weight_transfer.backend import (
     AlignedFailure,
-    BucketPlan,
     GroupChannel,
     GroupTrainerFields,
     Packer,
     ParamMeta,
+    PlanCache,
     ResyncTrainerEngine,
     RotatingBuffers,
     SendWindow,
@@ -80,8 +80,7 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
             "nccl", remedy="call trainer_init again"
         )
         self._buffers = RotatingBuffers(self.wire.packed_num_buffers, self.device)
-        self._plan_key: tuple[ParamMeta, ...] | None = None
-        self._plan: BucketPlan | None = None
+        self.plan_for = PlanCache(lambda metas: plan_for(metas, self.wire))
 
     @classmethod
     def trainer_init(
@@ -110,13 +109,7 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
         return {**param_list_payload(metas), "trainer_id": self.trainer_id}
 
     def num_chunks(self, metas: list[ParamMeta]) -> int:
-        return len(self._plan_for(metas).buckets)
-
-    def _plan_for(self, metas: list[ParamMeta]) -> BucketPlan:
-        key = tuple(metas)
-        if self._plan is None or key != self._plan_key:
-            self._plan, self._plan_key = plan_for(metas, self.wire), key
-        return self._plan
+        return len(self.plan_for(metas).buckets)
 
     def transmit(
         self,
@@ -124,7 +117,7 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
         pairs: Iterator[tuple[ParamMeta, torch.Tensor]],
         transfer: Transfer,
     ) -> None:
-        plan = self._plan_for(metas)
+        plan = self.plan_for(metas)
         with self.channel.on_wire("a broadcast") as group:
             window = SendWindow(self._buffers, transfer)
             packer = Packer(pairs)
