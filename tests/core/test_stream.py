@@ -145,29 +145,6 @@ def test_load_pipeline_drains_after_a_failure_and_finish_raises() -> None:
     assert 1 not in loaded and all(k < 4 for k in loaded)  # nothing loads after the drain began
 
 
-def test_an_inline_pipeline_loads_on_the_callers_thread_and_drains_after_a_failure() -> None:
-    threads: list[str] = []
-
-    def load(batch: list[tuple[str, torch.Tensor]]) -> None:
-        threads.append(threading.current_thread().name)
-        if batch[0][0] == "2":
-            raise KeyError("no parameter named '2'")
-
-    shapes = [LoadPipeline(load, n, 1.0, name="t", inline=True) for n in (1, 2, 3)]
-    assert [(p.lag, p.horizon) for p in shapes] == [(1, 0), (1, 1), (1, 2)]
-    pipeline = shapes[1]
-    for k in range(5):
-        pipeline.before_receive(k)
-        assert pipeline.draining == (k > 2)  # bucket 2's failure is seen before bucket 3
-        if not pipeline.draining:
-            pipeline.submit([(str(k), torch.zeros(1))])
-    with pytest.raises(LoadFailed, match="no parameter named '2'"):
-        pipeline.finish()
-    assert threads == [threading.current_thread().name] * 3
-    for p in shapes:
-        p.close()
-
-
 # --------------------------------------------------------------- GroupChannel
 
 

@@ -18,13 +18,6 @@ the pipeline to draining: queued loads are cancelled, the caller keeps
 receiving (the group stays aligned) and loads nothing more, and `finish()`
 raises `LoadFailed`. `close()` (always, in a `finally`) cancels queued loads
 and waits for a running one, bounded, so a rollback never races a load.
-
-`inline=True` runs each load in `submit`, on the caller's thread: for a
-backend whose bytes arrive without this thread's help (shared memory written
-by the trainer on its own cores), so loading here already overlaps the
-transfer and a second thread would only compete for the cores. Then
-`lag = 1` and `horizon = n - 1`: when bucket `j` is about to be received,
-every earlier load is done.
 """
 
 from __future__ import annotations
@@ -94,17 +87,14 @@ class LoadFailed(RuntimeError):
 class LoadPipeline:
     """Ordered loads on one thread beside the receive loop; see the module doc."""
 
-    def __init__(
-        self, load: Load, num_buffers: int, timeout_s: float, *, name: str, inline: bool = False
-    ) -> None:
+    def __init__(self, load: Load, num_buffers: int, timeout_s: float, *, name: str) -> None:
         self.load = load
         self.timeout_s = timeout_s
-        self.inline = inline
-        self.lag = 1 if inline else min(num_buffers, 2)
+        self.lag = min(num_buffers, 2)
         self.horizon = num_buffers - self.lag
         self.failure: BaseException | None = None
         self._loads: list[Future[None]] = []
-        self._pool = None if inline else ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
 
     @property
     def draining(self) -> bool:
@@ -120,15 +110,9 @@ class LoadPipeline:
 
     def submit(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Queue the load of one received bucket (nothing while draining)."""
-        if self.failure is not None or not tensors or self._pool is None:
+        if self.failure is not None or not tensors:
             done: Future[None] = Future()
-            if self.failure is None and tensors:  # inline: load here
-                try:
-                    self.load(tensors)
-                except Exception as error:
-                    done.set_exception(error)
-            if not done.done():
-                done.set_result(None)
+            done.set_result(None)
             self._loads.append(done)
             return
         self._loads.append(self._pool.submit(self.load, tensors))
@@ -151,8 +135,7 @@ class LoadPipeline:
         for future in self._loads:
             if not future.cancelled():
                 self._error_of(future)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        self._pool.shutdown(wait=False)
 
     def _error_of(self, future: Future[None]) -> BaseException | None:
         """The load's error, if any; one that outlives `timeout_s` is an error too."""

@@ -5,10 +5,9 @@ names the process at the other end), maps the staging buffers after checking
 every field against that process (`WorkerStaging.open`) and says hello.
 
 `receive_weights` walks the same layout as the trainer: for bucket `k` it
-waits for `READY(k)`, loads views into buffer `k % n` through core's
-`LoadPipeline` (inline: the trainer writes bucket `k + 1` on its own cores
-meanwhile; copies where the buffer-reuse rule forbids views) and releases
-each buffer as soon as nothing refers to it.
+waits for `READY(k)`, hands views into buffer `k % n` to core's
+`LoadPipeline` (copies where the buffer-reuse rule forbids views, as for any
+bucketed backend) and releases each buffer as soon as nothing refers to it.
 A load that fails drains the round (the worker keeps releasing, so the
 trainer finishes); an `ABORT` from the trainer, or its death (its socket
 closes), ends the round at once. Either way core's transaction rolls the
