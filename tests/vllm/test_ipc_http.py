@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -93,3 +94,95 @@ def test_http_ipc_rounds_a_failure_and_syncs_under_traffic(
     finally:
         trainer.shutdown()
         http.close()
+
+
+STALLING_TRAINER = """
+import sys, time, torch
+from weight_transfer import HTTPVLLMWeightSyncClient, ParamMeta, WeightSource
+from weight_transfer import WeightTransferTrainerFactory
+from wt_ipc import IPCTrainerInitInfo
+
+url, path = sys.argv[1], sys.argv[2]
+state = torch.load(path)
+
+class Stalling(WeightSource):
+    def metadata(self):
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
+
+    def __iter__(self):
+        for i, (n, t) in enumerate(state.items()):
+            if i == len(state) - 3:
+                print("STALLING", flush=True)
+                time.sleep(600)
+            yield n, t
+
+info = IPCTrainerInitInfo(
+    rank=0, device="cpu", timeout_s=120.0, packed_buffer_size_bytes=64 << 10,
+    packed_min_bucket_bytes=0, replace_trainer=True,
+)
+client = HTTPVLLMWeightSyncClient(url, timeout=120.0)
+trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=Stalling())
+trainer.send_weights()
+"""
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        with open(task) as f:
+            for child in f.read().split():
+                out += [int(child), *_descendants(int(child))]
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_ends_a_worker_stuck_in_a_round_and_leaves_no_shared_memory(
+    ipc_server: Server, tmp_path: Any
+) -> None:
+    """Last in this module: it stops the server. The worker waits for a bucket of
+    a trainer that stalls; SIGTERM to the server's process group ends the engine
+    processes within seconds, and nothing of wt's is left in /dev/shm."""
+    import subprocess
+    import sys
+
+    import torch
+
+    server = ipc_server
+    state_path = tmp_path / "seed3.pt"
+    torch.save({n: p.detach() for n, p in hf_model(3).named_parameters()}, state_path)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", STALLING_TRAINER, server.url, str(state_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while time.monotonic() < deadline and "STALLING" not in line:
+            line = trainer.stdout.readline() if trainer.stdout else ""
+            if not line and trainer.poll() is not None:
+                break
+        assert "STALLING" in line, f"the trainer did not reach the stall (rc {trainer.poll()})"
+        time.sleep(1.0)  # the worker now waits for the next bucket
+        engines = _descendants(server.proc.pid)
+        assert engines, "the server started no engine process"
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        while any(_alive(pid) for pid in engines) and time.monotonic() - t0 < 30:
+            time.sleep(0.2)
+        elapsed = time.monotonic() - t0
+        assert not any(_alive(pid) for pid in engines), "an engine process ignored SIGTERM"
+        assert elapsed < 15, f"the engine processes took {elapsed:.1f}s to exit"
+        for pid in [trainer.pid, server.proc.pid, *engines]:
+            assert glob.glob(f"/dev/shm/wt-{pid}-*") == []
+    finally:
+        trainer.kill()
+        trainer.wait(10)

@@ -90,6 +90,8 @@ class LocalLink:
     def recv(self, timeout_s: float | None, what: str) -> Frame:
         """The next frame, within `timeout_s` (None: no limit); `LinkClosed` if the peer is gone."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if deadline is None:
+            self.sock.settimeout(None)
         data = b""
         while len(data) < _FRAME.size:
             if deadline is not None:

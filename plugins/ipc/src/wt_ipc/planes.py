@@ -170,7 +170,9 @@ class TrainerStaging:
 class WorkerStaging:
     """A worker's mapping of the trainer's staging buffers; see the module docstring."""
 
-    def __init__(self, plane: str, slots: list[torch.Tensor], segments: list[SharedSegment]):
+    def __init__(
+        self, plane: str, slots: list[torch.Tensor], segments: list[SharedSegment]
+    ) -> None:
         self.plane = plane
         self.slots = slots
         self._segments = segments
