@@ -15,15 +15,16 @@ the pid in it is `owner_pid` (the process the reader knows as its peer), and
 that the file belongs to `owner_uid`, has mode 0600 and holds at least
 `nbytes`. Each refusal is a `ValueError` naming what was wrong.
 
-`tensor` is a `uint8` view of the whole mapping; views taken from it keep
-the mapping alive. Nothing here goes through `multiprocessing`'s resource
-tracker, which would unlink segments it did not create.
+`tensor` is a `uint8` tensor over the whole mapping, which torch owns: the
+mapping lives exactly as long as the last view of it, so `close()` can never
+unmap memory a loader still reads. Nothing here goes through
+`multiprocessing`'s resource tracker, which would unlink segments it did not
+create.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import re
 import secrets
@@ -46,12 +47,16 @@ def segment_name_pid(name: str) -> int | None:
 class SharedSegment:
     """One mapped segment; see the module docstring."""
 
-    def __init__(self, name: str, nbytes: int, mapping: mmap.mmap, *, owner: bool) -> None:
+    def __init__(self, name: str, nbytes: int, fd: int, *, owner: bool) -> None:
+        """Map the open file `fd` (the caller closes it) as this segment."""
         self.name = name
         self.nbytes = nbytes
         self.owner = owner
-        self._mmap: mmap.mmap | None = mapping
-        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        # Through /proc/self/fd: the very file checked or created, not whatever the name
+        # points at by now.
+        self.tensor = torch.from_file(
+            f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8
+        )
         self._linked = owner
 
     @classmethod
@@ -71,13 +76,12 @@ class SharedSegment:
                     f"cannot reserve a shared segment of {nbytes} bytes in {SHM_DIR} "
                     f"({free} bytes free): {e}"
                 ) from None
-            mapping = mmap.mmap(fd, nbytes)
+            return cls(name, nbytes, fd, owner=True)
         except BaseException:
             os.unlink(path)
             raise
         finally:
             os.close(fd)
-        return cls(name, nbytes, mapping, owner=True)
 
     @classmethod
     def attach(
@@ -112,10 +116,9 @@ class SharedSegment:
                     f"field {field!r}: segment {name!r} holds {info.st_size} bytes, fewer "
                     f"than the {nbytes} declared"
                 )
-            mapping = mmap.mmap(fd, nbytes)
+            return cls(name, nbytes, fd, owner=False)
         finally:
             os.close(fd)
-        return cls(name, nbytes, mapping, owner=False)
 
     def unlink(self) -> None:
         """Remove the name (the creator, once every reader has attached); idempotent."""
@@ -125,14 +128,10 @@ class SharedSegment:
                 os.unlink(os.path.join(SHM_DIR, self.name))
 
     def close(self) -> None:
-        """Unlink (if the creator) and drop this process's mapping.
+        """Unlink (if the creator) and drop this object's hold on the mapping.
 
-        A mapping that views still reference is left to them (it goes with the
-        last one); it is never unmapped under a live view.
+        The mapping goes with its last view: at once if nothing else views it,
+        later if a loader still does; never under a live view.
         """
         self.unlink()
         self.tensor = torch.empty(0, dtype=torch.uint8)
-        mapping, self._mmap = self._mmap, None
-        if mapping is not None:
-            with contextlib.suppress(BufferError):
-                mapping.close()

@@ -11,7 +11,7 @@ bucketed backend) and releases each buffer as soon as nothing refers to it.
 A load that fails drains the round (the worker keeps releasing, so the
 trainer finishes); an `ABORT` from the trainer, or its death (its socket
 closes), ends the round at once. Either way core's transaction rolls the
-model back.
+model back; when the link is gone the worker also unmaps the staging.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from weight_transfer.backend import (
     RELEASED,
     AlignedFailure,
+    BucketPlan,
     Frame,
     GroupChannel,
     LinkClosed,
@@ -109,49 +110,56 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
         if plan.max_bucket_bytes > wire.packed_buffer_size_bytes:  # never, by construction
             raise ValueError("update_info: the layout does not fit the staging buffers")
         self.last_round = round_id
+        try:
+            with self.channel.on_wire("receiving a round") as link:
+                self._receive_round(link, plan, round_id, staging)
+        finally:
+            if not self.channel.connected:  # the link is gone, and with it the trainer's staging
+                self._release_staging()
+
+    def _receive_round(
+        self, link: LocalLink, plan: BucketPlan, round_id: int, staging: WorkerStaging
+    ) -> None:
         slots = staging.slots
-        with self.channel.on_wire("receiving a round") as link:
-            released = 0
+        released = 0
 
-            def release(upto: int) -> None:
-                nonlocal released
-                if upto > released:
-                    staging.reads_done()
-                    link.send(Frame(RELEASED, round_id, 0, upto))
-                    released = upto
+        def release(upto: int) -> None:
+            nonlocal released
+            if upto > released:
+                staging.reads_done()
+                link.send(Frame(RELEASED, round_id, 0, upto))
+                released = upto
 
-            unpacker = Unpacker(plan, staging.device)
-            pipeline = LoadPipeline(
-                self.loader.load, len(slots), self.timeout_s, name="wt-ipc-load"
-            )
+        unpacker = Unpacker(plan, staging.device)
+        pipeline = LoadPipeline(self.loader.load, len(slots), self.timeout_s, name="wt-ipc-load")
+        try:
+            for k, bucket in enumerate(plan.buckets):
+                pipeline.before_receive(k)
+                release(k - len(slots) + 1)  # the reuse rule frees bucket k - n by now
+                frame = self._next_frame(link, round_id, f"bucket {k}")
+                if frame.kind == ABORT:
+                    raise AlignedFailure(
+                        TrainerAbortedError(
+                            f"the trainer aborted the update at bucket {k} of "
+                            f"{len(plan.buckets)}; see the trainer's error"
+                        )
+                    )
+                if (frame.kind, frame.index, frame.value) != (READY, k, bucket.nbytes):
+                    raise RuntimeError(
+                        f"control link out of step: expected READY of bucket {k} "
+                        f"({bucket.nbytes} bytes), got {frame}"
+                    )
+                if not pipeline.draining:
+                    data = slots[k % len(slots)][: bucket.nbytes]
+                    pipeline.submit(unpacker.unpack(k, data, view_horizon=pipeline.horizon))
             try:
-                for k, bucket in enumerate(plan.buckets):
-                    pipeline.before_receive(k)
-                    release(k - len(slots) + 1)  # the reuse rule frees bucket k - n by now
-                    frame = self._next_frame(link, round_id, f"bucket {k}")
-                    if frame.kind == ABORT:
-                        raise AlignedFailure(
-                            TrainerAbortedError(
-                                f"the trainer aborted the update at bucket {k} of "
-                                f"{len(plan.buckets)}; see the trainer's error"
-                            )
-                        )
-                    if (frame.kind, frame.index, frame.value) != (READY, k, bucket.nbytes):
-                        raise RuntimeError(
-                            f"control link out of step: expected READY of bucket {k} "
-                            f"({bucket.nbytes} bytes), got {frame}"
-                        )
-                    if not pipeline.draining:
-                        data = slots[k % len(slots)][: bucket.nbytes]
-                        pipeline.submit(unpacker.unpack(k, data, view_horizon=pipeline.horizon))
-                try:
-                    pipeline.finish()
-                except LoadFailed as failed:
-                    raise AlignedFailure(failed) from failed
-            finally:
-                pipeline.close()
-                with contextlib.suppress(LinkClosed):
-                    release(len(plan.buckets))
+                pipeline.finish()
+            except LoadFailed as failed:
+                raise AlignedFailure(failed) from failed
+        finally:
+            pipeline.close()
+            with contextlib.suppress(LinkClosed):
+                release(len(plan.buckets))
 
     def _next_frame(self, link: LocalLink, round_id: int, what: str) -> Frame:
         """The next frame of `round_id`, skipping those a round that ended early left."""
@@ -167,14 +175,16 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
     def finish_weight_update(self) -> None:
         """Nothing beyond core's transaction (the loader commits)."""
 
-    def _detach(self, reason: str) -> None:
-        self.channel.drop(reason)
+    def _release_staging(self) -> None:
+        """Unmap the trainer's staging (a mapping still viewed goes with its last view)."""
         if self.staging is not None:
             self.staging.close()
             self.staging = None
 
+    def _detach(self, reason: str) -> None:
+        self.channel.drop(reason)
+        self._release_staging()
+
     def shutdown(self) -> None:
         self.channel.close()
-        if self.staging is not None:
-            self.staging.close()
-            self.staging = None
+        self._release_staging()
