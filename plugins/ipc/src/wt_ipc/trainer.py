@@ -69,13 +69,14 @@ _RPC_GRACE_S = 30.0
 class IPCTrainerInitInfo(WireParams, TrainerInitInfo):
     """How a trainer configures the `ipc` backend.
 
-    The wire parameters size the staging (`packed_num_buffers` buffers of
-    `packed_buffer_size_bytes`, 256 MiB by default, allocated in packed and unpacked mode alike;
-    unpacked puts one parameter per bucket). `num_workers` is how many
-    inference workers read them (every TP rank of every colocated replica);
-    `trainer_init` fails unless exactly that many attach. `device` is where the
-    source's tensors live and picks the plane: CPU -> shared memory, CUDA ->
-    CUDA IPC (default: the current CUDA device when there is one).
+    The wire parameters size the staging: `packed_num_buffers` buffers of
+    `packed_buffer_size_bytes` (256 MiB by default), allocated by rank 0 in
+    packed and unpacked mode alike (unpacked puts one parameter per bucket).
+    `num_workers` is how many inference workers read them (every TP rank of
+    every colocated replica); `trainer_init` fails unless exactly that many
+    attach. `device` is where the source's tensors live and picks the plane:
+    CPU -> shared memory, CUDA -> CUDA IPC (default: the current CUDA device
+    when there is one).
     """
 
     backend: ClassVar[str] = "ipc"
