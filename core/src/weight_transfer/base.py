@@ -471,16 +471,23 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             self._round_lock.release()
 
     def _abort_round(self, error: BaseException) -> None:
-        """The subclass's `abort_weight_update`, then the transaction's abort; both always run."""
-        transaction, self.transaction = self.transaction, None
+        """The subclass's `abort_weight_update`, then the transaction's abort; both always run.
+
+        The round stays open (`round_open`) until both have run, so nobody sees
+        a closed round on a model that is still being restored.
+        """
+        transaction = self.transaction
         failures: list[BaseException] = []
-        for undo in (self.abort_weight_update, transaction.abort if transaction else None):
-            if undo is None:
-                continue
-            try:
-                undo()
-            except BaseException as undo_error:
-                failures.append(undo_error)
+        try:
+            for undo in (self.abort_weight_update, transaction.abort if transaction else None):
+                if undo is None:
+                    continue
+                try:
+                    undo()
+                except BaseException as undo_error:
+                    failures.append(undo_error)
+        finally:
+            self.transaction = None
         if failures:
             first = failures[0]
             raise RuntimeError(
