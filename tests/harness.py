@@ -276,6 +276,32 @@ def assert_received(pool: WorkerPool, tensors: dict[str, torch.Tensor]) -> None:
             assert got.get(name) == want[name], f"worker {rank}: {name} differs"
 
 
+class RecordingClient:
+    """Forwards to `inner`; keeps every handshake and update payload, and runs
+    `on_init(payload)` before forwarding a handshake."""
+
+    def __init__(self, inner: Any, on_init: Any = None) -> None:
+        self.inner = inner
+        self.on_init = on_init
+        self.payloads: list[Any] = []
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.payloads.append(init_info)
+        if self.on_init is not None:
+            self.on_init(init_info)
+        self.inner.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.inner.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.payloads.append(update_info)
+        self.inner.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.inner.finish_weight_update(weight_version)
+
+
 class ForbiddenClient:
     """The client of a non-sender trainer rank, which must never reach the inference side."""
 

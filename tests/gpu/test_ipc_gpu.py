@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import WorkerPool, digest
+from tests.harness import RecordingClient, WorkerPool, digest
 from tests.sources import DictSource, mixed_tensors
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
 
@@ -27,32 +27,13 @@ def cuda_tensors(seed: int) -> dict[str, torch.Tensor]:
     return {n: t.cuda() for n, t in mixed_tensors(seed, big_numel=300_000).items()}
 
 
-class _Recording:
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.init_payload: dict[str, Any] = {}
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.init_payload = init_info
-        self.inner.init_weight_transfer_engine(init_info)
-
-    def start_weight_update(self) -> None:
-        self.inner.start_weight_update()
-
-    def update_weights(self, update_info: Any) -> None:
-        self.inner.update_weights(update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.inner.finish_weight_update(weight_version)
-
-
 @pytest.mark.parametrize("packed", [True, False])
 def test_cuda_ipc_between_two_processes_on_one_gpu_bit_exact(packed: bool) -> None:
     from wt_ipc import IPCTrainerInitInfo
 
     tensors = cuda_tensors(1)
     with WorkerPool("ipc", 1, names=list(tensors), devices=["cuda:0"]) as pool:
-        client = _Recording(pool.client())
+        client = RecordingClient(pool.client())
         info = IPCTrainerInitInfo(
             rank=0, device="cuda:0", packed=packed, packed_buffer_size_bytes=256 << 10,
             timeout_s=60,
@@ -60,7 +41,7 @@ def test_cuda_ipc_between_two_processes_on_one_gpu_bit_exact(packed: bool) -> No
         engine = WeightTransferTrainerFactory.trainer_init(
             info, client=client, source=DictSource(tensors)
         )
-        payload = client.init_payload
+        payload = client.payloads[0]
         assert payload["plane"] == "cuda"
         assert json.loads(json.dumps(payload)) == payload
         record = payload["cuda_buffers"][0][0]
@@ -79,7 +60,7 @@ def test_a_gpu_the_worker_cannot_see_is_refused_listing_the_visible_ones() -> No
 
     tensors = cuda_tensors(5)
 
-    class _OtherGPU(_Recording):
+    class _OtherGPU(RecordingClient):
         def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
             buffers = [[{**r, "device_uuid": "GPU-not-here"} for r in rs]
                        for rs in init_info["cuda_buffers"]]  # fmt: skip

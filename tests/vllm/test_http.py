@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -207,13 +208,12 @@ def test_http_sync_rounds_and_failures(
         http.close()
 
 
-DEAD_TRAINER = """
+STALLING_TRAINER = """
 import sys, time, torch
 from weight_transfer import HTTPVLLMWeightSyncClient, ParamMeta, WeightSource
 from weight_transfer import WeightTransferTrainerFactory
-from wt_nccl import NCCLTrainerInitInfo
 
-url, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+url, backend, path = sys.argv[1], sys.argv[2], sys.argv[3]
 state = torch.load(path)
 
 class Stalling(WeightSource):
@@ -227,14 +227,47 @@ class Stalling(WeightSource):
                 time.sleep(600)
             yield n, t
 
-info = NCCLTrainerInitInfo(
-    "127.0.0.1", port, 2, rank=0, device="cpu", timeout_s=120.0,
-    packed_buffer_size_bytes=64 << 10, packed_min_bucket_bytes=0,
-)
+wire = dict(timeout_s=120.0, packed_buffer_size_bytes=64 << 10, packed_min_bucket_bytes=0)
+if backend == "nccl":
+    from wt_nccl import NCCLTrainerInitInfo
+    from weight_transfer.transport.group import free_port
+    info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, device="cpu", **wire)
+else:
+    from wt_ipc import IPCTrainerInitInfo
+    info = IPCTrainerInitInfo(rank=0, device="cpu", replace_trainer=True, **wire)
 client = HTTPVLLMWeightSyncClient(url, timeout=120.0)
 trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=Stalling())
 trainer.send_weights()
 """
+
+
+def start_stalling_trainer(
+    url: str, backend: str, state_path: str, timeout_s: float = 120.0
+) -> subprocess.Popen[str]:
+    """A trainer process that sends `state_path`'s tensors through `backend` and
+    hangs three tensors before the end of its round; returns once it hangs (the
+    caller kills it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STALLING_TRAINER, url, backend, state_path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    seen = ""
+    while "STALLING" not in seen:
+        remaining = deadline - time.monotonic()
+        readable, _, _ = select.select([proc.stdout], [], [], max(0.0, remaining))
+        if not readable:
+            proc.kill()
+            proc.wait(10)
+            raise TimeoutError(f"the trainer did not reach the stall within {timeout_s:g}s")
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"the trainer exited ({proc.returncode}) before the stall:\n{seen}")
+        seen += line
+    return proc
 
 
 def test_http_dead_trainer_keeps_previous_weights(
@@ -243,8 +276,6 @@ def test_http_dead_trainer_keeps_previous_weights(
     """A trainer process killed in the middle of a round: the engine rolls back,
     keeps serving, and a new trainer connects and syncs."""
     import torch
-
-    from weight_transfer.transport.group import free_port
 
     http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
     client = VersionedClient(http)
@@ -257,20 +288,8 @@ def test_http_dead_trainer_keeps_previous_weights(
 
     state_path = tmp_path / "seed3.pt"
     torch.save({n: p.detach() for n, p in hf_model(3).named_parameters()}, state_path)
-    dead = subprocess.Popen(
-        [sys.executable, "-c", DEAD_TRAINER, server.url, str(free_port()), str(state_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    dead = start_stalling_trainer(server.url, BACKEND, str(state_path))
     try:
-        deadline = time.monotonic() + 120
-        line = ""
-        while time.monotonic() < deadline and "STALLING" not in line:
-            line = dead.stdout.readline() if dead.stdout else ""
-            if not line and dead.poll() is not None:
-                break
-        assert "STALLING" in line, f"the trainer did not reach the stall (rc {dead.poll()})"
         time.sleep(1.0)  # let the buckets already sent land in the model
     finally:
         dead.kill()

@@ -30,7 +30,7 @@ from weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightSyncRP
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
-from tests.vllm.test_http import Server, Traffic
+from tests.vllm.test_http import Server, Traffic, start_stalling_trainer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -96,36 +96,6 @@ def test_http_ipc_rounds_a_failure_and_syncs_under_traffic(
         http.close()
 
 
-STALLING_TRAINER = """
-import sys, time, torch
-from weight_transfer import HTTPVLLMWeightSyncClient, ParamMeta, WeightSource
-from weight_transfer import WeightTransferTrainerFactory
-from wt_ipc import IPCTrainerInitInfo
-
-url, path = sys.argv[1], sys.argv[2]
-state = torch.load(path)
-
-class Stalling(WeightSource):
-    def metadata(self):
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
-
-    def __iter__(self):
-        for i, (n, t) in enumerate(state.items()):
-            if i == len(state) - 3:
-                print("STALLING", flush=True)
-                time.sleep(600)
-            yield n, t
-
-info = IPCTrainerInitInfo(
-    rank=0, device="cpu", timeout_s=120.0, packed_buffer_size_bytes=64 << 10,
-    packed_min_bucket_bytes=0, replace_trainer=True,
-)
-client = HTTPVLLMWeightSyncClient(url, timeout=120.0)
-trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=Stalling())
-trainer.send_weights()
-"""
-
-
 def _engine_processes(pid: int) -> list[int]:
     """The vLLM engine processes (`VLLM::EngineCore`, `VLLM::Worker`) below `pid`."""
     found = []
@@ -164,28 +134,13 @@ def test_sigterm_ends_a_worker_stuck_in_a_round_and_leaves_no_shared_memory(
     processes within seconds, and nothing of wt's is left in /dev/shm. (vLLM's
     HTTP front end then still waits for the open `/update_weights` request, a
     front-end matter; the test kills it.)"""
-    import subprocess
-    import sys
-
     import torch
 
     server = ipc_server
     state_path = tmp_path / "seed3.pt"
     torch.save({n: p.detach() for n, p in hf_model(3).named_parameters()}, state_path)
-    trainer = subprocess.Popen(
-        [sys.executable, "-c", STALLING_TRAINER, server.url, str(state_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    trainer = start_stalling_trainer(server.url, BACKEND, str(state_path))
     try:
-        deadline = time.monotonic() + 120
-        line = ""
-        while time.monotonic() < deadline and "STALLING" not in line:
-            line = trainer.stdout.readline() if trainer.stdout else ""
-            if not line and trainer.poll() is not None:
-                break
-        assert "STALLING" in line, f"the trainer did not reach the stall (rc {trainer.poll()})"
         time.sleep(1.0)  # the worker now waits for the next bucket
         engines = _engine_processes(server.proc.pid)
         assert engines, "the server started no engine process"

@@ -8,6 +8,7 @@ import glob
 import json
 import multiprocessing as mp
 import os
+import select
 import stat
 import subprocess
 import sys
@@ -20,8 +21,20 @@ import pytest
 import torch
 
 from tests.backends.ipc.models import BIG
-from tests.harness import ForbiddenClient, WorkerPool, assert_received, digest
-from tests.sources import DictSource, DisagreeingSource, mixed_tensors
+from tests.harness import (
+    ForbiddenClient,
+    RecordingClient,
+    WorkerPool,
+    assert_received,
+    digest,
+)
+from tests.sources import (
+    DictSource,
+    DisagreeingSource,
+    StallingSource,
+    dtensor_model,
+    mixed_tensors,
+)
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
 from weight_transfer.backend import SharedSegment, free_port
 from wt_ipc import IPCTrainerInitInfo
@@ -101,31 +114,6 @@ def test_tensor_larger_than_a_buffer_is_split_and_reassembled(pool: WorkerPool) 
     engine.shutdown()
 
 
-class _Recording:
-    """Forwards to `inner`; keeps every payload, and runs `on_init(payload)` first."""
-
-    def __init__(self, inner: Any, on_init: Callable[[dict[str, Any]], None] | None = None):
-        self.inner = inner
-        self.on_init = on_init
-        self.payloads: list[Any] = []
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.payloads.append(init_info)
-        if self.on_init is not None:
-            self.on_init(init_info)
-        self.inner.init_weight_transfer_engine(init_info)
-
-    def start_weight_update(self) -> None:
-        self.inner.start_weight_update()
-
-    def update_weights(self, update_info: Any) -> None:
-        self.payloads.append(update_info)
-        self.inner.update_weights(update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.inner.finish_weight_update(weight_version)
-
-
 def test_payloads_are_json_and_segments_private_and_unlinked_once_attached(
     pool: WorkerPool,
 ) -> None:
@@ -138,7 +126,7 @@ def test_payloads_are_json_and_segments_private_and_unlinked_once_attached(
 
     tensors = mixed_tensors(4)
     pool.each("set_names", list(tensors))
-    client = _Recording(pool.client(), on_init=inspect)
+    client = RecordingClient(pool.client(), on_init=inspect)
     engine = connect(pool, DictSource(tensors), client, packed_buffer_size_bytes=8192)
     assert len(seen) == 2
     for name, (mode, size) in seen.items():
@@ -165,13 +153,15 @@ def foreign_segment() -> Iterator[str]:
         [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None and proc.stdin is not None
+    readable, _, _ = select.select([proc.stdout], [], [], 60)
+    assert readable, "the segment's owner did not start within 60s"
     name = proc.stdout.readline().strip()
     yield name
     proc.stdin.close()
     proc.wait(30)
 
 
-class _Tampering(_Recording):
+class _Tampering(RecordingClient):
     """Rewrites the handshake (`init`) or the update info (`update`) before forwarding."""
 
     def __init__(
@@ -366,25 +356,11 @@ def test_a_hundred_syncs_leave_dev_shm_and_descriptors_as_they_were(pool: Worker
 
 
 def _trainer_rank(rank: int, group_port: int, client: Any, out: Any) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
     from weight_transfer import ModuleSource
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=rank, world_size=2
-        )
-        mesh = init_device_mesh("cpu", (2,))
-        torch.manual_seed(0)  # identical full weights on both ranks
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
-        full = {n: p.detach().clone() for n, p in model.named_parameters()}
-        for mod in model:
-            for pname, p in list(mod.named_parameters()):
-                sharded = distribute_tensor(p.detach(), mesh, [Shard(0)])
-                setattr(mod, pname, torch.nn.Parameter(sharded))
+        model, full = dtensor_model(rank, group_port)
         info = IPCTrainerInitInfo(rank=rank, num_workers=WORKERS, timeout_s=30)
         engine = WeightTransferTrainerFactory.trainer_init(
             info, client=client if rank == 0 else ForbiddenClient(), source=ModuleSource(model)
@@ -393,7 +369,7 @@ def _trainer_rank(rank: int, group_port: int, client: Any, out: Any) -> None:
         engine.send_weights()
         out.put((rank, "ok", {n: digest(t) for n, t in full.items()}, engine.staging is None))
         engine.shutdown()
-        dist.destroy_process_group()
+        torch.distributed.destroy_process_group()
     except BaseException as e:
         out.put((rank, "err", f"{type(e).__name__}: {e}", None))
 
@@ -431,22 +407,6 @@ def test_two_rank_trainer_with_dtensor_source_two_workers() -> None:
 # --- processes that die mid-round
 
 
-class _Stalling(DictSource):
-    """Yields `stall_at` tensors, sets `stalled`, then hangs (a trainer about to be killed)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], stall_at: int, stalled: Any) -> None:
-        super().__init__(tensors)
-        self.stall_at = stall_at
-        self.stalled = stalled
-
-    def __iter__(self) -> Any:
-        for i, pair in enumerate(self.tensors.items()):
-            if i == self.stall_at:
-                self.stalled.set()
-                time.sleep(600)
-            yield pair
-
-
 def _doomed_trainer(client: Any, stall_at: int, stalled: Any, seed: int) -> None:
     tensors = mixed_tensors(seed, big_numel=BIG)
     info = IPCTrainerInitInfo(
@@ -456,7 +416,7 @@ def _doomed_trainer(client: Any, stall_at: int, stalled: Any, seed: int) -> None
         info, client=client, source=DictSource(tensors)
     )
     engine.send_weights()  # round 1 completes
-    engine.source = _Stalling(tensors, stall_at, stalled)
+    engine.source = StallingSource(tensors, stall_at, stalled)
     engine.send_weights()
 
 

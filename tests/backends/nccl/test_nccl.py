@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from tests.harness import ForbiddenClient, WorkerPool, assert_received, digest
-from tests.sources import DictSource, DisagreeingSource, mixed_tensors
+from tests.sources import (
+    DictSource,
+    DisagreeingSource,
+    StallingSource,
+    dtensor_model,
+    mixed_tensors,
+)
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
 from weight_transfer.transport.group import free_port
 from wt_nccl import NCCLTrainerInitInfo
@@ -256,25 +262,11 @@ class _Rewriting:
 
 
 def _trainer_rank(rank: int, group_port: int, wt_port: int, client: Any, out: Any) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
     from weight_transfer import ModuleSource
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{group_port}", rank=rank, world_size=2
-        )
-        mesh = init_device_mesh("cpu", (2,))
-        torch.manual_seed(0)  # identical full weights on both ranks
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
-        full = {n: p.detach().clone() for n, p in model.named_parameters()}
-        for mod in model:
-            for pname, p in list(mod.named_parameters()):
-                sharded = distribute_tensor(p.detach(), mesh, [Shard(0)])
-                setattr(mod, pname, torch.nn.Parameter(sharded))
+        model, full = dtensor_model(rank, group_port)
         info = NCCLTrainerInitInfo("127.0.0.1", wt_port, 3, rank=rank, timeout_s=30)
         engine = WeightTransferTrainerFactory.trainer_init(
             info, client=client if rank == 0 else ForbiddenClient(), source=ModuleSource(model)
@@ -282,7 +274,7 @@ def _trainer_rank(rank: int, group_port: int, wt_port: int, client: Any, out: An
         engine.send_weights()
         engine.send_weights()
         out.put((rank, "ok", {n: digest(t) for n, t in full.items()}))
-        dist.destroy_process_group()
+        torch.distributed.destroy_process_group()
     except BaseException as e:
         out.put((rank, "err", f"{type(e).__name__}: {e}"))
 
@@ -316,23 +308,6 @@ def test_two_rank_trainer_with_dtensor_source() -> None:
             assert got == want
 
 
-class _Stalling(DictSource):
-    """Yields `stall_at` tensors, reports it through `stalled`, then hangs (a trainer
-    stuck or about to be killed in the middle of a round)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], stall_at: int, stalled: Any) -> None:
-        super().__init__(tensors)
-        self.stall_at = stall_at
-        self.stalled = stalled
-
-    def __iter__(self) -> Any:
-        for i, pair in enumerate(self.tensors.items()):
-            if i == self.stall_at:
-                self.stalled.set()
-                time.sleep(600)
-            yield pair
-
-
 def _doomed_trainer(port: int, client: Any, stall_at: int, stalled: Any) -> None:
     tensors = mixed_tensors(21)
     info = NCCLTrainerInitInfo(
@@ -340,7 +315,7 @@ def _doomed_trainer(port: int, client: Any, stall_at: int, stalled: Any) -> None
         packed_buffer_size_bytes=1024, packed_min_bucket_bytes=0,
     )  # fmt: skip
     engine = WeightTransferTrainerFactory.trainer_init(
-        info, client=client, source=_Stalling(tensors, stall_at, stalled)
+        info, client=client, source=StallingSource(tensors, stall_at, stalled)
     )
     engine.send_weights()
 

@@ -219,6 +219,14 @@ class WireParams:
                 what=what,
             )
 
+    def packed_plan(self, metas: Sequence[ParamMeta]) -> BucketPlan:
+        """The packed layout of `metas` under these parameters (`plan_buckets`)."""
+        return plan_buckets(
+            metas,
+            buffer_bytes=self.packed_buffer_size_bytes,
+            min_bucket_bytes=self.packed_min_bucket_bytes,
+        )
+
     @property
     def wire(self) -> WireParams:
         return WireParams(

@@ -38,7 +38,6 @@ from weight_transfer.backend import (
     WireProtocolInfo,
     check_int_range,
     check_timeout,
-    plan_buckets,
     plan_per_tensor,
 )
 
@@ -128,9 +127,5 @@ class IPCUpdateInfo(ParamListUpdateInfo):
 def plan_for(metas: list[ParamMeta], wire: WireParams) -> BucketPlan:
     """The round's layout in the staging buffers: packed, or one parameter per bucket."""
     if wire.packed:
-        return plan_buckets(
-            metas,
-            buffer_bytes=wire.packed_buffer_size_bytes,
-            min_bucket_bytes=wire.packed_min_bucket_bytes,
-        )
+        return wire.packed_plan(metas)
     return plan_per_tensor(metas, buffer_bytes=wire.packed_buffer_size_bytes)

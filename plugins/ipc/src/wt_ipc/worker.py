@@ -107,8 +107,12 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
             )
         check_declared(update_info.metas, self.model, what="update_info")
         plan = plan_for(update_info.metas, wire)
-        if plan.max_bucket_bytes > wire.packed_buffer_size_bytes:  # never, by construction
-            raise ValueError("update_info: the layout does not fit the staging buffers")
+        mapped = min(slot.numel() for slot in staging.slots)
+        if plan.max_bucket_bytes > mapped:  # every view must lie inside what was mapped
+            raise ValueError(
+                f"update_info: the layout needs buffers of {plan.max_bucket_bytes} bytes, "
+                f"the mapped staging holds {mapped}"
+            )
         self.last_round = round_id
         try:
             with self.channel.on_wire("receiving a round") as link:

@@ -26,7 +26,6 @@ from weight_transfer.backend import (
     ParamMeta,
     Piece,
     WireParams,
-    plan_buckets,
 )
 
 __all__ = [
@@ -68,11 +67,7 @@ class NCCLUpdateInfo(ParamListUpdateInfo):
 def plan_for(metas: list[ParamMeta], wire: WireParams) -> BucketPlan:
     """The round's buckets: the packed layout, or one whole tensor per bucket unpacked."""
     if wire.packed:
-        return plan_buckets(
-            metas,
-            buffer_bytes=wire.packed_buffer_size_bytes,
-            min_bucket_bytes=wire.packed_min_bucket_bytes,
-        )
+        return wire.packed_plan(metas)
     buckets = tuple(Bucket((Piece(i, 0, m.nbytes, 0),), m.nbytes) for i, m in enumerate(metas))
     return BucketPlan(tuple(metas), buckets, tuple(range(len(metas))))
 
