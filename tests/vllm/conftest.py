@@ -255,6 +255,17 @@ def connect(backend: str, client: Any, source: WeightSource, scratch: str) -> An
             packed_buffer_size_bytes=256 << 10,
             packed_min_bucket_bytes=0,
         )
+    elif backend == "sharded_rdt":
+        from wt_sharded_rdt import ShardedRDTTrainerInitInfo
+
+        info = ShardedRDTTrainerInitInfo(
+            rank=0,
+            num_consumers=1,
+            transport="loopback",
+            producer_prefix=f"wt-local-{os.getpid()}",
+            timeout_s=60.0,
+            stall_timeout_s=30.0,
+        )
     elif backend == "example_file":
         from wt_example.trainer import FileTrainerInitInfo
 

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BACKENDS = ["nccl", "ipc", "example_file"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "sharded_rdt"])
 def test_three_rounds_match_fresh_engines(
     served: ServedEngines, references: References, backend: str
 ) -> None:
@@ -95,7 +95,7 @@ def test_failed_sync_keeps_previous_weights(
     assert engine.llm.get_weight_version() == f"after-{case}"
 
 
-@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+@pytest.mark.parametrize("backend", ["nccl", "ipc", "sharded_rdt"])
 def test_trainer_side_failure_keeps_previous_weights(
     served: ServedEngines, references: References, backend: str
 ) -> None:

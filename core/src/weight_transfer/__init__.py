@@ -16,6 +16,7 @@ from weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 from weight_transfer.clients import (
+    FanOutClient,
     HTTPVLLMWeightSyncClient,
     LocalVLLMWeightSyncClient,
     RayVLLMWeightSyncClient,
@@ -42,6 +43,7 @@ __all__ = [
     "RayVLLMWeightSyncClient",
     "LocalVLLMWeightSyncClient",
     "WeightSyncRPCError",
+    "FanOutClient",
     "TrainerInitInfo",
     "TrainerWeightTransferEngine",
     "WeightTransferTrainerFactory",

@@ -23,6 +23,13 @@ Worker side
     `WorkerPosition` / `worker_position`; inside vLLM, `quiet_reload_warnings`
     (for a backend that reloads some layers on purpose).
 
+Slices
+    `record_slices` (a dry run of the model's loading code over recording
+    tensors: which slice of each tensor lands where), `Scatter`, `FetchKey`,
+    `apply_chain` (the producer's replay, allowlisted ops only),
+    `UnsupportedOp`, `ALLOWED_OPS`, `describe_chain`, `SliceLoader` (the
+    loaders' dry run and direct slice writes).
+
 Payloads
     `parse_payload` / `payload_of` (dataclass <-> JSON-safe dict, errors name
     the field), `UpdatePayload`, the dtype codec (`dtype_name`,
@@ -43,7 +50,8 @@ Transport
     releases as futures). Layout: `WireParams`, `plan_buckets`,
     `plan_per_tensor`, `PlanCache`, `BucketPlan`, `Bucket`, `Piece`,
     `as_bytes`, `RotatingBuffers`, `Packer`, `Unpacker`. Streaming: `SendWindow`,
-    `LoadPipeline`, `LoadFailed`. Waiting: `in_background`, `await_transfer`,
+    `LoadPipeline`, `LoadFailed`, `aligned_layout` (the layout both ends derive).
+    Waiting: `in_background`, `await_transfer`,
     `wait_for`, `work_future`, `all_settle`, `PEER_GRACE_S`, `CollectiveError`,
     `TransferTimeout`.
 """
@@ -75,6 +83,7 @@ from weight_transfer.limits import (
 )
 from weight_transfer.loading import (
     DirectLoader,
+    SliceLoader,
     Transaction,
     WeightLoader,
     is_vllm_config,
@@ -85,6 +94,16 @@ from weight_transfer.payload import parse_payload, payload_of
 from weight_transfer.position import WorkerPosition, worker_position
 from weight_transfer.resync import ParamListUpdateInfo, ResyncTrainerEngine, param_list_payload
 from weight_transfer.rounds import AlignedFailure, RoundClient, TrainerRound, Transfer
+from weight_transfer.slices import (
+    ALLOWED_OPS,
+    FetchKey,
+    Scatter,
+    SliceRecord,
+    UnsupportedOp,
+    apply_chain,
+    describe_chain,
+    record_slices,
+)
 from weight_transfer.source import (
     ParamMeta,
     WeightSource,
@@ -123,6 +142,7 @@ from weight_transfer.transport.packing import (
     RotatingBuffers,
     Unpacker,
     WireParams,
+    aligned_layout,
     as_bytes,
     plan_buckets,
     plan_per_tensor,
@@ -170,6 +190,7 @@ __all__ = [
     "Transaction",
     "WeightLoader",
     "DirectLoader",
+    "SliceLoader",
     "loader_for",
     "register_loader_provider",
     "is_vllm_config",
@@ -222,6 +243,16 @@ __all__ = [
     "Bucket",
     "Piece",
     "as_bytes",
+    "aligned_layout",
+    # slices (record once, replay every round)
+    "ALLOWED_OPS",
+    "FetchKey",
+    "Scatter",
+    "SliceRecord",
+    "UnsupportedOp",
+    "apply_chain",
+    "describe_chain",
+    "record_slices",
     "RotatingBuffers",
     "PlanCache",
     "Packer",

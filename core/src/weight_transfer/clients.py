@@ -50,6 +50,7 @@ __all__ = [
     "HTTPVLLMWeightSyncClient",
     "RayVLLMWeightSyncClient",
     "LocalVLLMWeightSyncClient",
+    "FanOutClient",
     "PauseMode",
 ]
 
@@ -393,3 +394,46 @@ class LocalVLLMWeightSyncClient(_PausingClient):
     def _resume(self) -> None:
         if callable(getattr(self.llm, "wake_up", None)):
             self._call("wake_up", tags=["scheduling"])
+
+
+class FanOutClient:
+    """Several inference engines (replicas) reached as one client.
+
+    Each call runs on every replica at once and waits for all of them (each
+    replica's own client bounds its call); if any failed, the first failure
+    is raised as `WeightSyncRPCError` naming the replica and the call.
+    `replicas` is the list of clients, in replica order: a backend whose
+    handshake differs per replica (its identity in the fleet) calls them one
+    by one.
+    """
+
+    def __init__(self, replicas: Sequence[Any]) -> None:
+        if not replicas:
+            raise ValueError("FanOutClient needs at least one replica client")
+        self.replicas = list(replicas)
+
+    def _each(self, method: str, *args: Any, **kwargs: Any) -> None:
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(
+            len(self.replicas), thread_name_prefix="wt-fanout"
+        ) as pool:
+            futures = [pool.submit(getattr(r, method), *args, **kwargs) for r in self.replicas]
+        for index, future in enumerate(futures):
+            error = future.exception()
+            if error is not None:
+                raise WeightSyncRPCError(
+                    method, f"replica {index}: {type(error).__name__}: {error}"
+                ) from error
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._each("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._each("start_weight_update")
+
+    def update_weights(self, update_info: UpdatePayload) -> None:
+        self._each("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._each("finish_weight_update", weight_version)

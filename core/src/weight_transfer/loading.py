@@ -14,20 +14,31 @@ in HF names (`load`). `loader_for` picks one per round:
    `weight_transfer.vllm.loader.VLLMLoader` (layerwise reload; vLLM is imported
    only then);
 3. `DirectLoader` for any other `nn.Module`.
+
+Both built-in loaders are also `SliceLoader`s: they can run the model's
+loading code as a dry run over recording tensors (`dry_run`, see
+`weight_transfer.slices`) and take recorded slices directly (`begin_module`,
+`write`, `end_module`), which is how slice-exact backends load without
+calling `load_weights` every round.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from weight_transfer.slices import LoadFn, Scatter, storage_id, write_scatter
+
 __all__ = [
     "Transaction",
     "WeightLoader",
+    "SliceLoader",
+    "DryRun",
     "DirectLoader",
     "loader_for",
     "register_loader_provider",
@@ -59,6 +70,45 @@ class Transaction(Protocol):
 class WeightLoader(Transaction, Protocol):
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load a batch of full tensors by HF name."""
+
+
+# What a dry run hands the recorder: the model's load function and its
+# parameters by storage (`weight_transfer.slices.record_slices`'s `targets`).
+DryRun = tuple[LoadFn, dict[int, tuple[str, str, torch.Tensor]]]
+
+
+@runtime_checkable
+class SliceLoader(WeightLoader, Protocol):
+    """A loader that also takes recorded slices (`weight_transfer.slices`).
+
+    `dry_run()` (outside a round) yields the model's load function and its
+    checkpoint-format parameters by storage; whatever it changes to run the
+    model's loading code is undone when the context exits, so the model is
+    servable again. Inside a round: `begin_module(module, zero)` before the
+    first write into a module (`zero`: its parameters the slices do not
+    cover entirely, which start at zero), `write(scatter, src)` per slice,
+    `end_module(module)` after the last (the module's post-load processing
+    runs there). Writes are undone by `abort()` like any load.
+    """
+
+    def dry_run(self) -> contextlib.AbstractContextManager[DryRun]: ...
+
+    def begin_module(self, module: str, zero: Iterable[str]) -> None: ...
+
+    def write(self, scatter: Scatter, src: torch.Tensor) -> None: ...
+
+    def end_module(self, module: str) -> None: ...
+
+
+def parameter_targets(
+    modules: Iterable[tuple[str, torch.nn.Module]],
+) -> dict[int, tuple[str, str, torch.Tensor]]:
+    """`(module name, parameter name, parameter)` by storage, for a dry run."""
+    targets: dict[int, tuple[str, str, torch.Tensor]] = {}
+    for module_name, module in modules:
+        for param_name, param in module.named_parameters(recurse=False):
+            targets[storage_id(param)] = (module_name, param_name, param)
+    return targets
 
 
 class DirectLoader:
@@ -135,6 +185,40 @@ class DirectLoader:
                 if name not in self._saved:
                     self._set_aside(name, param)
                 param.copy_(tensor)
+
+    # -- slices ------------------------------------------------------------
+    @contextlib.contextmanager
+    def dry_run(self) -> Iterator[DryRun]:
+        """The model's own loading code; its parameters are the real ones (a
+        recording tensor's copy writes nothing)."""
+        load_weights = getattr(self.model, "load_weights", None)
+
+        def load(weights: list[tuple[str, torch.Tensor]]) -> None:
+            if callable(load_weights):
+                load_weights(weights)
+                return
+            params = dict(self.model.named_parameters())
+            for name, tensor in weights:
+                if name in params:
+                    params[name].data.copy_(tensor)
+
+        yield load, parameter_targets(self.model.named_modules())
+
+    def begin_module(self, module: str, zero: Iterable[str]) -> None:
+        """Nothing: a plain model's parameters are real; uncovered elements keep their values."""
+
+    def write(self, scatter: Scatter, src: torch.Tensor) -> None:
+        if self._saved is None:
+            raise RuntimeError("DirectLoader.write: no open round (begin() first, or aborted)")
+        name = f"{scatter.module}.{scatter.param}" if scatter.module else scatter.param
+        param = self.model.get_parameter(name)
+        if name not in self._saved:
+            with torch.no_grad():
+                self._set_aside(name, param)
+        write_scatter(param, scatter, src)
+
+    def end_module(self, module: str) -> None:
+        """Nothing: a plain model has no post-load processing."""
 
     def commit(self) -> None:
         self._saved = None

@@ -105,5 +105,7 @@ def parse_payload(cls: type[T], data: Any, what: str) -> T:
 
 
 def payload_of(info: Any) -> dict[str, Any]:
-    """The JSON-safe dict of dataclass `info`, fields that are `None` left out."""
-    return {k: v for k, v in dataclasses.asdict(info).items() if v is not None}
+    """The JSON-safe dict of dataclass `info`: its init fields, those that are `None` left out
+    (fields with `init=False` are derived on the receiving side)."""
+    wire = {f.name for f in dataclasses.fields(info) if f.init}
+    return {k: v for k, v in dataclasses.asdict(info).items() if v is not None and k in wire}

@@ -39,6 +39,7 @@ __all__ = [
     "BucketPlan",
     "plan_buckets",
     "plan_per_tensor",
+    "aligned_layout",
     "as_bytes",
     "WireParams",
     "PlanCache",
@@ -54,6 +55,21 @@ DEFAULT_MIN_BUCKET_BYTES = 32 << 20
 
 def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def aligned_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Offsets of pieces of `sizes` bytes laid out in order, each `ALIGNMENT`-aligned,
+    and the bytes the layout spans. Empty pieces take no room. Both ends of a
+    wire derive a layout with this, so it is never sent."""
+    offsets: list[int] = []
+    cursor = 0
+    for size in sizes:
+        if size < 0:
+            raise ValueError(f"a piece of {size} bytes")
+        offset = _align(cursor)
+        offsets.append(offset)
+        cursor = offset + size
+    return offsets, cursor
 
 
 @dataclass(frozen=True)

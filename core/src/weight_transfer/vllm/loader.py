@@ -26,6 +26,14 @@ environment variable `WT_VLLM_SNAPSHOT` (read by the worker) chooses where:
 `host` (default), `device`, or `none` (no copy: a failed round then keeps the
 new weights in the layers that completed before the failure).
 
+Slices (`weight_transfer.loading.SliceLoader`): `dry_run()` opens a round of
+its own, runs the model's loaders unwrapped (their original functions, not
+the reload's deferring wrappers) over checkpoint-format meta parameters and
+aborts the round, so the model is restored exactly; in a round,
+`begin_module` materializes a layer, `write` copies a slice into it and
+`end_module` runs the layer's post-load processing (vLLM's layerwise step:
+quantization or CPU repacking, then the copy into the kernel tensors).
+
 `commit()` and `abort()` after the round has ended are no-ops, so a worker
 that calls finish again after a failed finish clears its state. Calls are
 serialized: an `abort()` from the control thread waits for a `load()` running
@@ -42,11 +50,13 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import torch
 
+from weight_transfer.loading import DryRun, parameter_targets
+from weight_transfer.slices import Scatter, write_scatter
 from weight_transfer.vllm.snapshot import COPY_MODES, ModelSnapshot
 
 __all__ = [
@@ -128,6 +138,7 @@ class VLLMLoader:
         self._lock = threading.Lock()
         self._device: torch.device | None = None
         self._modules: list[torch.nn.Module] = []
+        self._named: dict[str, torch.nn.Module] = {}
         self._open = False
 
     @property
@@ -158,6 +169,7 @@ class VLLMLoader:
                 return
             self._device = _model_device(self.model)
             self._modules = list(self.model.modules())
+            self._named = dict(self.model.named_modules())
             snapshot = ModelSnapshot.take(self.model, self.snapshot_to)
             try:
                 initialize_layerwise_reload(self.model)
@@ -215,6 +227,64 @@ class VLLMLoader:
                     f"{type(self.model).__name__} could not load {name!r} ({dtype}, shape "
                     f"{list(tensor.shape)}): {type(e).__name__}: {e}"
                 ) from e
+
+    # -- slices ------------------------------------------------------------
+    @contextlib.contextmanager
+    def dry_run(self) -> Iterator[DryRun]:
+        """See the module docstring; the round it opens is always aborted."""
+        self.begin()
+        try:
+            self.prepare()
+            for module in self._modules:
+                for param in module.parameters(recurse=False):
+                    loader = getattr(param, "weight_loader", None)
+                    while getattr(loader, "__name__", "") == "online_process_loader":
+                        loader = loader.__wrapped__  # type: ignore[union-attr]
+                    if loader is not None:
+                        param.weight_loader = loader  # type: ignore[attr-defined]
+
+            def load(weights: list[tuple[str, torch.Tensor]]) -> None:
+                with self._lock, self._load_context():
+                    self.model.load_weights(iter(weights))  # type: ignore[operator]
+
+            yield load, parameter_targets(self._named.items())
+        finally:
+            self.abort()
+
+    def _armed(self, module: str) -> tuple[torch.nn.Module, Any]:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        if self.snapshot is None:
+            raise RuntimeError("VLLMLoader: no open round (begin() first, or aborted)")
+        layer = self._named.get(module)
+        if layer is None:
+            raise KeyError(f"{type(self.model).__name__} has no module named {module!r}")
+        info = get_layerwise_info(layer)
+        if not info.can_load():
+            raise RuntimeError(f"{module!r} is not being reloaded (already processed this round?)")
+        return layer, info
+
+    def begin_module(self, module: str, zero: Iterable[str]) -> None:
+        from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+        self.prepare()
+        with self._lock, self._load_context():
+            layer, info = self._armed(module)
+            materialize_layer(layer, info)
+            for name in zero:
+                getattr(layer, name).data.zero_()
+
+    def write(self, scatter: Scatter, src: torch.Tensor) -> None:
+        with self._lock:
+            layer, _ = self._armed(scatter.module)
+            write_scatter(getattr(layer, scatter.param), scatter, src)
+
+    def end_module(self, module: str) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process
+
+        with self._lock, self._load_context():
+            layer, info = self._armed(module)
+            _layerwise_process(layer, info)
 
     def _detach_pending(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Replace views into `weights`' buffers held by pending layers with copies."""

@@ -1,0 +1,374 @@
+"""What trainer ranks, producers and consumers of `sharded_rdt` agree on.
+
+Handshake (`ShardedRDTWorkerInitInfo`, JSON-safe, built by the sender rank
+from what every rank's producer declared): the whole model's metadata in
+metadata order, its partition into gather groups (`group_lens`, consecutive
+runs of `layerwise_groups`), who holds what (`owner_sets`: distinct sorted
+sets of trainer ranks; `name_owner_class[i]`: the set holding name `i`), the
+producers' names and where to find them (Ray namespace and cluster
+address, for nixl), the transport, the ring depth, the timeouts, and this
+replica's identity (`replica_rank`, filled in by the trainer per replica).
+
+Update info (`ShardedRDTUpdateInfo`): the trainer, the sync's number, and the
+live consumers (empty: all). There is no per-sync layout: each consumer's
+plan is static (`build_plan`), derived once from the handshake and its own
+dry run; a pull names its slices (`FetchKey`s) and the layout both ends
+derive from them (`aligned_layout` over the slices' sizes).
+
+Consumer id: `replica_rank * workers_per_replica + worker.global_index`,
+unique across the fleet; it keys the producers' serve rings.
+
+Routing (`Router`) is the consumers' business: a pull for group `g` of names
+held by owner set `S` goes to `S[(consumer_id + g) % len(S)]`, which spreads
+consumers over the ranks holding the same names and a consumer's groups over
+its candidates. Every owner of a group counts one free per live consumer per
+sync; a group is released (its tensors dropped) when all have arrived.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from weight_transfer.backend import (
+    FetchKey,
+    ParamMeta,
+    Scatter,
+    SliceRecord,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+    WireProtocolInfo,
+    aligned_layout,
+    check_int_range,
+    check_timeout,
+    dtype_from_name,
+    dtype_name,
+)
+
+__all__ = [
+    "TRANSPORTS",
+    "MAX_CONSUMERS",
+    "MAX_PRODUCERS",
+    "ShardedRDTWorkerInitInfo",
+    "ShardedRDTUpdateInfo",
+    "metadata_digest",
+    "owner_table",
+    "Router",
+    "Chunk",
+    "ConsumerPlan",
+    "build_plan",
+    "chunk_expectation",
+]
+
+TRANSPORTS = ("nixl", "loopback")
+MAX_CONSUMERS = 4096
+MAX_PRODUCERS = 4096
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+def metadata_digest(metas: Sequence[ParamMeta]) -> str:
+    """A digest of the names, dtypes and shapes, in order (ranks must agree on it)."""
+    h = hashlib.sha256(str(len(metas)).encode())
+    for m in metas:
+        h.update(f"\n{m.name}|{dtype_name(m.dtype)}|{list(m.shape)}".encode())
+    return h.hexdigest()[:32]
+
+
+def owner_table(
+    names: Sequence[str], held: Sequence[Sequence[bool]]
+) -> tuple[list[list[int]], list[int]]:
+    """`(owner_sets, name_owner_class)` from each rank's held mask over `names`.
+
+    Classes are numbered by first appearance, a pure function of the masks,
+    so a rebuilt handshake is identical. Raises `ValueError` naming the first
+    name no rank holds.
+    """
+    sets: dict[tuple[int, ...], int] = {}
+    classes: list[int] = []
+    for i, name in enumerate(names):
+        owners = tuple(r for r, mask in enumerate(held) if mask[i])
+        if not owners:
+            raise ValueError(
+                f"no trainer rank holds {name!r} (held_names() of every rank leaves it out); "
+                "it could never be served"
+            )
+        classes.append(sets.setdefault(owners, len(sets)))
+    return [list(s) for s in sets], classes
+
+
+@dataclass
+class ShardedRDTWorkerInitInfo(WireProtocolInfo, WeightTransferInitInfo):
+    """The handshake a consumer receives; see the module docstring."""
+
+    transport: str = "nixl"
+    producer_names: list[str] = field(default_factory=list)
+    namespace: str | None = None
+    ray_address: str | None = None
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    group_lens: list[int] = field(default_factory=list)
+    owner_sets: list[list[int]] = field(default_factory=list)
+    name_owner_class: list[int] = field(default_factory=list)
+    num_consumers: int = 1
+    workers_per_replica: int = 1
+    replica_rank: int = 0
+    num_rdt_buffers: int = 2
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    stall_timeout_s: float = 300.0
+    peer_timeout_s: float = 30.0
+    timeout_s: float = 300.0
+    trainer_id: str = ""
+    replace: bool = False
+    metas: list[ParamMeta] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        what = "init_info"
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"{what}: field 'transport' must be one of {TRANSPORTS}, got {self.transport!r}"
+            )
+        check_int_range(
+            len(self.producer_names), field="producer_names", what=what, low=1, high=MAX_PRODUCERS
+        )
+        for name in ("dtype_names", "shapes", "name_owner_class"):
+            if len(getattr(self, name)) != len(self.names):
+                raise ValueError(
+                    f"{what}: field {name!r} has {len(getattr(self, name))} entries, "
+                    f"'names' has {len(self.names)}"
+                )
+        if any(n <= 0 for n in self.group_lens) or sum(self.group_lens) != len(self.names):
+            raise ValueError(
+                f"{what}: field 'group_lens' must be positive and sum to the {len(self.names)} "
+                f"names, got {self.group_lens[:8]}{'...' if len(self.group_lens) > 8 else ''} "
+                f"(sum {sum(self.group_lens)})"
+            )
+        for i, owners in enumerate(self.owner_sets):
+            if not owners or sorted(set(owners)) != list(owners) or not all(
+                0 <= r < len(self.producer_names) for r in owners
+            ):  # fmt: skip
+                raise ValueError(
+                    f"{what}: field 'owner_sets[{i}]' must be a non-empty sorted set of producer "
+                    f"indexes below {len(self.producer_names)}, got {owners}"
+                )
+        for i, c in enumerate(self.name_owner_class):
+            if not 0 <= c < len(self.owner_sets):
+                raise ValueError(
+                    f"{what}: field 'name_owner_class[{i}]' is {c}, there are "
+                    f"{len(self.owner_sets)} owner sets"
+                )
+        check_int_range(
+            self.num_consumers, field="num_consumers", what=what, low=1, high=MAX_CONSUMERS
+        )
+        check_int_range(
+            self.workers_per_replica,
+            field="workers_per_replica",
+            what=what,
+            low=1,
+            high=self.num_consumers,
+        )
+        check_int_range(
+            self.replica_rank,
+            field="replica_rank",
+            what=what,
+            low=0,
+            high=self.num_consumers // self.workers_per_replica - 1,
+        )
+        check_int_range(self.num_rdt_buffers, field="num_rdt_buffers", what=what, low=1, high=16)
+        check_int_range(self.chunk_bytes, field="chunk_bytes", what=what, low=1 << 10, high=1 << 40)
+        for name in ("stall_timeout_s", "peer_timeout_s", "timeout_s"):
+            check_timeout(getattr(self, name), field=name, what=what)
+        self.metas = []
+        for i, (n, d, s) in enumerate(zip(self.names, self.dtype_names, self.shapes, strict=True)):
+            if any(x < 0 for x in s):
+                raise ValueError(f"{what}: field 'shapes[{i}]' has a negative dimension")
+            self.metas.append(ParamMeta(n, dtype_from_name(d, field=f"dtype_names[{i}]"), tuple(s)))
+
+    def groups(self) -> list[list[str]]:
+        out: list[list[str]] = []
+        start = 0
+        for n in self.group_lens:
+            out.append(self.names[start : start + n])
+            start += n
+        return out
+
+
+@dataclass
+class ShardedRDTUpdateInfo(WeightTransferUpdateInfo):
+    """One sync: the trainer, its number, the live consumers (empty: all)."""
+
+    trainer_id: str = ""
+    sync_id: int = 0
+    live_consumers: list[int] = field(default_factory=list)
+
+
+class Router:
+    """Which producer serves a consumer's pull, and who counts its frees."""
+
+    def __init__(
+        self,
+        owner_sets: Sequence[Sequence[int]],
+        name_owner_class: Sequence[int],
+        names: Sequence[str],
+    ) -> None:
+        self.owner_sets = [list(s) for s in owner_sets]
+        self.class_of = dict(zip(names, name_owner_class, strict=True))
+
+    def owners(self, name: str) -> list[int]:
+        return self.owner_sets[self.class_of[name]]
+
+    def producer_for(self, consumer_id: int, owner_class: int, group: int) -> int:
+        owners = self.owner_sets[owner_class]
+        return owners[(consumer_id + group) % len(owners)]
+
+    def group_owners(self, names: Sequence[str]) -> list[int]:
+        return sorted({r for n in names for r in self.owners(n)})
+
+
+@dataclass
+class Chunk:
+    """One pull: slices `keys` of group `group` from producer `owner`.
+
+    `offsets`/`nbytes` are the layout of the pulled blob (`aligned_layout`
+    over each slice's bytes); `scatters[i]` are where slice `i` lands. Before
+    applying it, `begins` modules are materialized; after, `ends` are
+    processed. `frees` are the groups whose last chunk this is.
+    """
+
+    index: int
+    group: int
+    owner: int
+    seq: int
+    keys: list[FetchKey]
+    dtypes: list[str]
+    numels: list[int]
+    offsets: list[int]
+    nbytes: int
+    scatters: list[list[Scatter]]
+    begins: list[str] = field(default_factory=list)
+    ends: list[str] = field(default_factory=list)
+    frees: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ConsumerPlan:
+    """A consumer's static plan: its chunks in issue order, and the groups it
+    frees before pulling anything (those it needs nothing from)."""
+
+    chunks: list[Chunk]
+    pre_free: list[int]
+    group_owners: list[list[int]]
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        return max((c.nbytes for c in self.chunks), default=0)
+
+    def bytes_from(self) -> dict[int, int]:
+        """The largest chunk pulled from each producer (its serve slots' size)."""
+        out: dict[int, int] = {}
+        for c in self.chunks:
+            out[c.owner] = max(out.get(c.owner, 0), c.nbytes)
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+
+def chunk_expectation(chunk: Chunk) -> list[tuple[str, int]]:
+    return list(zip(chunk.dtypes, chunk.numels, strict=True))
+
+
+def build_plan(
+    record: SliceRecord,
+    groups: Sequence[Sequence[str]],
+    router: Router,
+    consumer_id: int,
+    chunk_bytes: int,
+) -> ConsumerPlan:
+    """Cut each group's recorded slices into pulls: one per owner class present,
+    split at `chunk_bytes` (a slice larger than that is a pull of its own)."""
+    chunks: list[Chunk] = []
+    pre_free: list[int] = []
+    seq_of: dict[int, int] = {}
+    first_chunk: dict[str, int] = {}
+    last_chunk: dict[str, int] = {}
+    for gi, names in enumerate(groups):
+        by_class: dict[int, list[tuple[FetchKey, list[Scatter]]]] = {}
+        index_of: dict[FetchKey, tuple[int, int]] = {}
+        for name in names:
+            for scatter in record.scatters.get(name, ()):
+                cls = router.class_of[name]
+                entries = by_class.setdefault(cls, [])
+                if scatter.key in index_of:
+                    entries[index_of[scatter.key][1]][1].append(scatter)
+                    continue
+                index_of[scatter.key] = (cls, len(entries))
+                entries.append((scatter.key, [scatter]))
+        if not by_class:
+            pre_free.append(gi)
+            continue
+        for cls in sorted(by_class):
+            owner = router.producer_for(consumer_id, cls, gi)
+            for piece in _split(by_class[cls], chunk_bytes):
+                sizes = [s[0].nbytes for _, s in piece]
+                offsets, nbytes = aligned_layout(sizes)
+                index = len(chunks)
+                chunk = Chunk(
+                    index=index,
+                    group=gi,
+                    owner=owner,
+                    seq=seq_of.get(owner, 0),
+                    keys=[k for k, _ in piece],
+                    dtypes=[dtype_name(s[0].src_dtype) for _, s in piece],
+                    numels=[s[0].numel for _, s in piece],
+                    offsets=offsets,
+                    nbytes=nbytes,
+                    scatters=[s for _, s in piece],
+                )
+                seq_of[owner] = chunk.seq + 1
+                chunks.append(chunk)
+                for _, scatters in piece:
+                    for s in scatters:
+                        first_chunk.setdefault(s.module, index)
+                        last_chunk[s.module] = index
+        chunks[-1].frees.append(gi)
+    for module, index in first_chunk.items():
+        chunks[index].begins.append(module)
+    for module, index in last_chunk.items():
+        chunks[index].ends.append(module)
+    return ConsumerPlan(chunks, pre_free, [router.group_owners(g) for g in groups])
+
+
+def _split(
+    entries: list[tuple[FetchKey, list[Scatter]]], chunk_bytes: int
+) -> list[list[tuple[FetchKey, list[Scatter]]]]:
+    pieces: list[list[tuple[FetchKey, list[Scatter]]]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = entry[1][0].nbytes
+        if pieces[-1] and size + nbytes > chunk_bytes:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(entry)
+        size += nbytes
+    return pieces
+
+
+def payload_metas(metas: Sequence[ParamMeta]) -> dict[str, Any]:
+    return {
+        "names": [m.name for m in metas],
+        "dtype_names": [dtype_name(m.dtype) for m in metas],
+        "shapes": [list(m.shape) for m in metas],
+    }
+
+
+def group_index(groups: Sequence[Sequence[str]]) -> Mapping[str, int]:
+    return {n: gi for gi, names in enumerate(groups) for n in names}
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)

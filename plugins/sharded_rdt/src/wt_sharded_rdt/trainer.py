@@ -1,0 +1,463 @@
+"""Trainer side of `sharded_rdt`: every rank publishes what it holds; consumers pull.
+
+`trainer_init`, on every rank: check the source (`held_names()` must name
+known parameters and not be empty), start this rank's producer (named
+`<producer_prefix>-rk<rank>`, from the init info's explicit `rank`). The
+sender (rank 0) then finds every rank's producer (bounded wait), checks that
+all ranks describe the same metadata (digest) and that every name has a
+holder, builds the handshake and runs the workers' init, which returns once
+each consumer has recorded its slices and reserved its serve slots. Nothing
+here is a collective: the producers carry each rank's description, so
+`get_worker_init_payload()` rebuilds the handshake for a restarted engine.
+
+`send_weights`, on every rank, once per sync: the sender opens a round on
+the workers (`update_weights` in flight: they pull inside it) and every rank
+runs the gather loop: for each of its groups (`WeightSource.iter_groups`),
+wait while more than `gather_lookahead` groups are published and not yet
+freed by every live consumer, then publish the group's held tensors. The
+loop ends when all its groups are freed. Waits poll the producer, so the
+sender sees a failed worker at once, and the producer's watchdog bounds
+every rank. On failure the rank's producer fails its waiters (the sender
+fails every rank's), so consumers stop pulling and roll back.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from weight_transfer.backend import (
+    PEER_GRACE_S,
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    Transfer,
+    VLLMWeightSyncClient,
+    WeightSource,
+    aligned_layout,
+    check_int_range,
+    check_timeout,
+    in_background,
+    layerwise_groups,
+    payload_of,
+    wait_for,
+)
+from wt_sharded_rdt.producer import ProducerError
+from wt_sharded_rdt.protocol import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CONSUMERS,
+    MAX_PRODUCERS,
+    TRANSPORTS,
+    ShardedRDTWorkerInitInfo,
+    metadata_digest,
+    owner_table,
+    payload_metas,
+)
+from wt_sharded_rdt.transport import (
+    ProducerClient,
+    ProducerHost,
+    forwarded_env,
+    host_producer,
+    producer_client,
+    ray_location,
+)
+
+__all__ = ["ShardedRDTTrainerInitInfo", "ShardedRDTTrainerEngine"]
+
+logger = logging.getLogger("wt_sharded_rdt")
+
+_POLL_S = 0.5
+_RPC_GRACE_S = 60.0  # the workers' init records slices and reserves buffers
+
+
+@dataclass
+class ShardedRDTTrainerInitInfo(TrainerInitInfo):
+    """How each trainer rank configures `sharded_rdt` (identical on all ranks but `rank`).
+
+    `num_consumers`: inference workers across all replicas (each replica has
+    `num_consumers // num_replicas`). `num_trainer_ranks`: how many ranks run
+    producers (the sender waits for all of them). `transport`: `"nixl"` (Ray
+    actors, RDT over NIXL) or `"loopback"` (trainer and consumers in one
+    process). Producer names are `<producer_prefix>-rk<rank>` in Ray
+    namespace `namespace`. `num_rdt_buffers`: receive and serve ring depth.
+    `gather_lookahead`: groups published but not yet freed, beyond the one
+    being gathered. `chunk_bytes`: the largest pull (a larger slice is a pull
+    of its own). `stall_timeout_s`: a sync with no progress at a producer for
+    this long fails; `peer_timeout_s`: a consumer silent this long while a
+    group waits for it fails the sync, naming it. `actor_env`: environment
+    for the producer actors, on top of this process's `UCX_*` / `NIXL_*`.
+    """
+
+    backend: ClassVar[str] = "sharded_rdt"
+    num_consumers: int = field(kw_only=True)
+    num_trainer_ranks: int = field(default=1, kw_only=True)
+    num_replicas: int = field(default=1, kw_only=True)
+    transport: str = field(default="nixl", kw_only=True)
+    producer_prefix: str = field(default="wt-rdt", kw_only=True)
+    namespace: str | None = field(default=None, kw_only=True)
+    num_rdt_buffers: int = field(default=2, kw_only=True)
+    gather_lookahead: int = field(default=1, kw_only=True)
+    chunk_bytes: int = field(default=DEFAULT_CHUNK_BYTES, kw_only=True)
+    stall_timeout_s: float = field(default=300.0, kw_only=True)
+    peer_timeout_s: float = field(default=30.0, kw_only=True)
+    timeout_s: float = field(default=300.0, kw_only=True)
+    actor_env: dict[str, str] = field(default_factory=dict, kw_only=True)
+    replace_trainer: bool = field(default=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        what = type(self).__name__
+        check_int_range(
+            self.num_consumers, field="num_consumers", what=what, low=1, high=MAX_CONSUMERS
+        )
+        check_int_range(
+            self.num_trainer_ranks, field="num_trainer_ranks", what=what, low=1, high=MAX_PRODUCERS
+        )
+        check_int_range(self.rank, field="rank", what=what, low=0, high=self.num_trainer_ranks - 1)
+        check_int_range(
+            self.num_replicas, field="num_replicas", what=what, low=1, high=self.num_consumers
+        )
+        if self.num_consumers % self.num_replicas:
+            raise ValueError(
+                f"{what}: field 'num_consumers' ({self.num_consumers}) must be a multiple of "
+                f"'num_replicas' ({self.num_replicas})"
+            )
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"{what}: field 'transport' must be one of {TRANSPORTS}, got {self.transport!r}"
+            )
+        if not self.producer_prefix or "/" in self.producer_prefix:
+            raise ValueError(
+                f"{what}: field 'producer_prefix' must be a non-empty name, "
+                f"got {self.producer_prefix!r}"
+            )
+        check_int_range(self.num_rdt_buffers, field="num_rdt_buffers", what=what, low=1, high=16)
+        check_int_range(self.gather_lookahead, field="gather_lookahead", what=what, low=0, high=64)
+        check_int_range(self.chunk_bytes, field="chunk_bytes", what=what, low=1 << 10, high=1 << 40)
+        for name in ("stall_timeout_s", "peer_timeout_s", "timeout_s"):
+            check_timeout(getattr(self, name), field=name, what=what)
+
+    def producer_name(self, rank: int) -> str:
+        return f"{self.producer_prefix}-rk{rank}"
+
+
+class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitInfo]):
+    init_info_cls = ShardedRDTTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource,
+        info: ShardedRDTTrainerInitInfo,
+    ) -> None:
+        super().__init__(
+            client=client, source=source, is_sender=info.is_sender, timeout_s=info.timeout_s
+        )
+        self.info = info
+        self.metas = source.metadata()
+        self.groups = layerwise_groups(m.name for m in self.metas)
+        self.group_of = {n: gi for gi, names in enumerate(self.groups) for n in names}
+        self.meta_of = {m.name: m for m in self.metas}
+        self.held = _held_names(source.held_names(), self.meta_of)
+        self.digest = metadata_digest(self.metas)
+        self.owned = [
+            gi for gi, names in enumerate(self.groups) if any(n in self.held for n in names)
+        ]
+        self.sync_id = 0
+        self.namespace, self.ray_address = info.namespace, None
+        if info.transport == "nixl":
+            self.namespace, self.ray_address = ray_location(info.namespace)
+        self.host: ProducerHost | None = None
+        self.peers: list[ProducerClient] = []
+        self._tables: tuple[list[list[int]], list[int]] | None = None
+        self._owner_bytes = 0
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: ShardedRDTTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> ShardedRDTTrainerEngine:
+        """Start this rank's producer; the sender also attaches the workers (module docstring)."""
+        if source is None:
+            raise ValueError(
+                "sharded_rdt is a full-resync backend: trainer_init needs a WeightSource"
+            )
+        engine = cls(client=client, source=source, info=init_info)
+        engine._start_producer()
+        try:
+            if engine.is_sender:
+                engine._attach_workers()
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    # -- init ------------------------------------------------------------------
+    def _start_producer(self) -> None:
+        info = self.info
+        staging = 0
+        for gi in self.owned:
+            sizes = [self.meta_of[n].nbytes for n in self.groups[gi] if n in self.held]
+            staging = max(staging, aligned_layout(sizes)[1])
+        self.host = host_producer(
+            info.transport,
+            info.producer_name(info.rank),
+            self.namespace,
+            {
+                "rank": info.rank,
+                "served_names": sorted(self.held),
+                "digest": self.digest,
+                "held": [m.name in self.held for m in self.metas],
+                "num_buffers": info.num_rdt_buffers,
+                "stall_timeout_s": info.stall_timeout_s,
+                "peer_timeout_s": info.peer_timeout_s,
+            },
+            staging_bytes=staging,
+            staging_slots=info.gather_lookahead + 1,
+            max_concurrency=info.num_consumers * info.num_rdt_buffers + 8,
+            env=forwarded_env(info.actor_env),
+        )
+
+    def _find_producers(self) -> list[ProducerClient]:
+        info = self.info
+        deadline = time.monotonic() + info.timeout_s
+        peers: list[ProducerClient] = []
+        for rank in range(info.num_trainer_ranks):
+            name = info.producer_name(rank)
+            while True:
+                try:
+                    peers.append(producer_client(info.transport, name, self.namespace))
+                    break
+                except RuntimeError as error:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"trainer rank {rank}'s producer {name!r} did not appear within "
+                            f"{info.timeout_s:g}s (has that rank run trainer_init?): {error}"
+                        ) from None
+                    time.sleep(_POLL_S)
+        return peers
+
+    def _owner_tables(self) -> tuple[list[list[int]], list[int]]:
+        if self._tables is None:
+            self.peers = self._find_producers()
+            masks: list[list[bool]] = []
+            for rank, peer in enumerate(self.peers):
+                described = peer.describe()
+                if described["digest"] != self.digest:
+                    raise ValueError(
+                        f"trainer rank {rank} describes different metadata (digest "
+                        f"{described['digest']}) than rank {self.info.rank} ({self.digest}): "
+                        "every rank's source must list the same names, dtypes and shapes in order"
+                    )
+                masks.append(list(described["held"]))
+            self._tables = owner_table([m.name for m in self.metas], masks)
+        return self._tables
+
+    def get_worker_init_payload(self, replica_rank: int = 0) -> dict[str, Any]:
+        """The handshake for replica `replica_rank`, rebuilt from what init kept."""
+        if self.host is None:
+            raise RuntimeError("get_worker_init_payload before trainer_init")
+        info = self.info
+        owner_sets, classes = self._owner_tables()
+        return payload_of(
+            ShardedRDTWorkerInitInfo(
+                transport=info.transport,
+                producer_names=[info.producer_name(r) for r in range(info.num_trainer_ranks)],
+                namespace=self.namespace,
+                ray_address=self.ray_address,
+                **payload_metas(self.metas),
+                group_lens=[len(g) for g in self.groups],
+                owner_sets=owner_sets,
+                name_owner_class=classes,
+                num_consumers=info.num_consumers,
+                workers_per_replica=info.num_consumers // info.num_replicas,
+                replica_rank=replica_rank,
+                num_rdt_buffers=info.num_rdt_buffers,
+                chunk_bytes=info.chunk_bytes,
+                stall_timeout_s=info.stall_timeout_s,
+                peer_timeout_s=info.peer_timeout_s,
+                timeout_s=info.timeout_s,
+                trainer_id=self.trainer_id,
+                replace=info.replace_trainer,
+            )
+        )
+
+    def _attach_workers(self) -> None:
+        replicas: Sequence[Any] = getattr(self.client.inner, "replicas", [self.client.inner])
+        if len(replicas) != self.info.num_replicas:
+            raise ValueError(
+                f"ShardedRDTTrainerInitInfo: field 'num_replicas' is {self.info.num_replicas}, "
+                f"the client reaches {len(replicas)} replicas"
+            )
+        payloads = [self.get_worker_init_payload(r) for r in range(len(replicas))]
+        calls = {
+            f"replica {r}'s init_weight_transfer_engine": in_background(
+                functools.partial(c.init_weight_transfer_engine, p), name="wt-rdt-init"
+            )
+            for r, (c, p) in enumerate(zip(replicas, payloads, strict=True))
+        }
+        wait_for(calls, self.info.timeout_s + _RPC_GRACE_S)
+
+    # -- one sync ----------------------------------------------------------------
+    def send_weights(
+        self, weight_version: str | None = None, *, live_consumers: Collection[int] | None = None
+    ) -> None:
+        """One sync on this rank (every rank calls it, with the same `live_consumers`).
+
+        `live_consumers` (default: all) are the consumer ids that take part; a
+        degraded set keeps the others on their previous weights.
+        """
+        source = self.source
+        assert source is not None
+        metas = source.metadata()
+        if metadata_digest(metas) != self.digest:
+            raise ValueError(
+                "the source's metadata changed since trainer_init; run trainer_init again"
+            )
+        self.sync_id += 1
+        every = list(range(self.info.num_consumers))
+        live = sorted(set(live_consumers)) if live_consumers is not None else every
+        if not set(live) <= set(every) or not live:
+            raise ValueError(
+                f"live_consumers must be a non-empty subset of 0..{len(every) - 1}, got {live}"
+            )
+        if live != every:
+            logger.warning(
+                "sync %d runs with %d of %d consumers", self.sync_id, len(live), len(every)
+            )
+        sync_id = self.sync_id
+        if not self.is_sender:
+            self._gather(sync_id, live, None)
+            return
+        self._owner_tables()  # the peers, for failing every rank at once
+        round_ = self.open_round(
+            num_params=len(metas),
+            total_bytes=sum(m.nbytes for m in metas),
+            num_chunks=len(self.owned),
+        )
+        update = {
+            "trainer_id": self.trainer_id,
+            "sync_id": sync_id,
+            "live_consumers": [] if live == every else live,
+        }
+        round_.update(update, lambda transfer: self._gather(sync_id, live, transfer))
+        round_.finish(weight_version)
+
+    def _gather(self, sync_id: int, live: list[int], transfer: Transfer | None) -> None:
+        host = self.host
+        source = self.source
+        if host is None or source is None:
+            raise RuntimeError("send_weights before trainer_init (or after shutdown)")
+        host.begin_sync(sync_id, live)
+        try:
+            in_flight: set[int] = set()
+            for names, tensors in source.iter_groups():
+                group = self._check_group(names)
+                batch = self._held_batch(names, tensors)
+                if not batch:
+                    continue
+                while len(in_flight) > self.info.gather_lookahead:
+                    in_flight -= self._freed(transfer)
+                host.publish(group, batch)
+                in_flight.add(group)
+                if transfer is not None:
+                    transfer.chunk_moved(sum(t.numel() * t.element_size() for t in batch.values()))
+            while in_flight:
+                in_flight -= self._freed(transfer)
+            host.end_sync(self.info.stall_timeout_s)
+        except BaseException as error:
+            reason = f"{type(error).__name__}: {error}"
+            self._fail_sync(f"trainer rank {self.info.rank} failed sync {sync_id}: {reason}")
+            if transfer is not None:
+                # The workers stop at the producers' error and roll back; give
+                # their update a grace to end, so that a failed sync returns
+                # with the workers serving their previous weights.
+                reported = transfer.worker_error(within_s=PEER_GRACE_S)
+                if reported is not None and isinstance(error, ProducerError):
+                    raise reported from error  # a worker failed: its own error says why
+            raise
+
+    def _check_group(self, names: list[str]) -> int:
+        group = self.group_of.get(names[0], -1) if names else -1
+        if group < 0 or names != self.groups[group]:
+            raise RuntimeError(
+                f"iter_groups yielded {names[:3]}{'...' if len(names) > 3 else ''}, which is not "
+                "a gather group of the metadata (layerwise_groups order)"
+            )
+        return group
+
+    def _held_batch(
+        self, names: list[str], tensors: Sequence[torch.Tensor | None]
+    ) -> dict[str, torch.Tensor]:
+        batch: dict[str, torch.Tensor] = {}
+        for name, tensor in zip(names, tensors, strict=True):
+            held = name in self.held
+            if tensor is None:
+                if held:
+                    raise RuntimeError(
+                        f"{name!r} is in held_names() but the source yielded None for it"
+                    )
+                continue
+            if not held:
+                raise RuntimeError(
+                    f"{name!r} is not in held_names() but the source yielded a tensor for it"
+                )
+            meta = self.meta_of[name]
+            if tensor.dtype != meta.dtype or tuple(tensor.shape) != tuple(meta.shape):
+                raise ValueError(
+                    f"{name!r} disagrees with metadata: the source yielded {tensor.dtype} "
+                    f"{list(tensor.shape)}, metadata() says {meta.dtype} {list(meta.shape)}"
+                )
+            batch[name] = tensor.detach()
+        return batch
+
+    def _freed(self, transfer: Transfer | None) -> set[int]:
+        """Groups freed by every live consumer; the workers' failure raises at once."""
+        assert self.host is not None
+        while True:
+            freed = self.host.wait_freed(_POLL_S)
+            if freed:
+                return set(freed)
+            if transfer is not None:
+                error = transfer.worker_error()
+                if error is not None:
+                    raise error
+
+    def _fail_sync(self, message: str) -> None:
+        targets: list[Any] = [self.host, *self.peers] if self.is_sender else [self.host]
+        for target in targets:
+            if target is None:
+                continue
+            try:
+                target.set_error(message)
+            except Exception as error:  # a dead producer needs no notice
+                logger.debug("could not notify a producer: %s", error)
+
+    def shutdown(self) -> None:
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+        self.peers = []
+
+
+def _held_names(held: Collection[str] | None, meta_of: dict[str, ParamMeta]) -> frozenset[str]:
+    if held is None:
+        return frozenset(meta_of)
+    held_set = frozenset(held)
+    unknown = sorted(held_set - meta_of.keys())
+    if unknown:
+        raise ValueError(f"held_names() lists {unknown[0]!r}, which metadata() does not")
+    if not held_set:
+        raise ValueError(
+            "held_names() is empty: this rank would serve nothing (return None for all)"
+        )
+    return held_set

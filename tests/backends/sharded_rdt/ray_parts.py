@@ -1,0 +1,142 @@
+"""Ray pieces for `sharded_rdt` over NIXL: a local cluster, consumer actors, their client.
+
+`ray_cluster()` starts a cluster on 127.0.0.1 in its own temporary directory
+(UCX on loopback TCP and shared memory, which NIXL needs on CPU) and checks
+that every node listens on loopback only. A `Consumer` actor is one
+inference worker: a `ShardedModel` shard with a real `ShardedRDTWorkerEngine`
+(created through the engine factory, so the entry point is exercised) inside
+a `WorkerSession`. `ActorsClient` reaches the workers of one replica, calling
+all at once and raising `WeightSyncRPCError` naming the worker that failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+LOOPBACK_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "UCX_TLS": "tcp,sm,self",
+    "UCX_NET_DEVICES": "lo",
+}
+for _k, _v in LOOPBACK_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ACTOR_ENV = {**LOOPBACK_ENV, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+CALL_TIMEOUT_S = 120.0
+
+
+@contextlib.contextmanager
+def ray_cluster(num_cpus: int = 8) -> Iterator[Any]:
+    import ray
+
+    if ray.is_initialized():
+        raise RuntimeError("a Ray session is already running in this process")
+    temp_dir = tempfile.mkdtemp(prefix="wtrdt")
+    ray.init(
+        _temp_dir=temp_dir,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=num_cpus,
+        log_to_driver=False,
+        runtime_env={"env_vars": ACTOR_ENV},
+    )
+    try:
+        addresses = {node["NodeManagerAddress"] for node in ray.nodes()}
+        assert addresses == {"127.0.0.1"}, f"Ray is not on loopback only: {addresses}"
+        yield ray
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+class Consumer:
+    """One inference worker (see the module docstring); wrapped by `ray.remote` in tests."""
+
+    def __init__(self, tp_rank: int, tp: int) -> None:
+        from tests.backends.sharded_rdt.models import ShardedModel
+        from weight_transfer import (
+            WeightTransferConfig,
+            WeightTransferEngineFactory,
+            WorkerPosition,
+            WorkerSession,
+        )
+
+        torch.set_num_threads(1)
+        self.model = ShardedModel(tp_rank, tp)
+        self.engine = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(backend="sharded_rdt"),
+            WorkerPosition(tp_rank, tp),
+            "cpu",
+            self.model,
+        )
+        self.session = WorkerSession(self.engine)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.session, method)(*args)
+
+    def state(self) -> tuple[dict[str, torch.Tensor], int, int]:
+        """Parameters, bytes pulled in the last sync, this shard's share."""
+        params = {n: p.detach().clone() for n, p in self.model.state_dict().items()}
+        return params, self.engine.pulled_bytes, self.model.kept_bytes()
+
+    def round_open(self) -> bool:
+        return bool(self.engine.round_open or self.session.active)
+
+    def end_round(self) -> None:
+        """End a round left open (as the next round's start would)."""
+        from weight_transfer.backend import ABORT_FIELD, RoundAbortedError
+
+        if self.session.active:
+            with contextlib.suppress(RoundAbortedError):
+                self.session.update_weights({ABORT_FIELD: "the sync failed"})
+
+
+class ActorsClient:
+    """The workers of one replica (see the module docstring)."""
+
+    def __init__(self, actors: list[Any]) -> None:
+        self.actors = actors
+
+    def _all(self, method: str, *args: Any) -> None:
+        import ray
+
+        from weight_transfer import WeightSyncRPCError
+
+        refs = [a.call.remote(method, *args) for a in self.actors]
+        index = {ref: i for i, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:  # in completion order: the first failure is the one reported
+            done, pending = ray.wait(pending, num_returns=1, timeout=CALL_TIMEOUT_S)
+            if not done:
+                raise WeightSyncRPCError(method, f"no answer within {CALL_TIMEOUT_S:g}s")
+            try:
+                ray.get(done[0])
+            except Exception as error:
+                i = index[done[0]]
+                raise WeightSyncRPCError(
+                    method, f"worker {i}: {type(error).__name__}: {error}"
+                ) from error
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._all("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self._all("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all("finish_weight_update", weight_version)

@@ -1,0 +1,293 @@
+"""`sharded_rdt` end to end over the loopback transport: plan, routing, replay, layout, scatter.
+
+Real trainer engines and real worker engines in this process; every check
+compares each consumer's parameters bit for bit with a fresh shard loaded
+the ordinary way (`models.reference`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.backends.sharded_rdt.models import (
+    EXPERTS,
+    UnsupportedModel,
+    checkpoint,
+    held_part,
+)
+from tests.sources import DictSource
+from weight_transfer import ParamMeta
+from weight_transfer.backend import ABORT_FIELD, RoundAbortedError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class HeldSource(DictSource):
+    """A trainer rank holding `held` of the tensors (None for the others)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], held: set[str] | None = None) -> None:
+        super().__init__(tensors)
+        self.held = held
+
+    def held_names(self) -> set[str] | None:
+        return self.held
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        for name, tensor in self.tensors.items():
+            yield name, tensor if self.held is None or name in self.held else None
+
+
+def total_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tensor_parallel_consumers_pull_their_share(shards: Any, tp: int) -> None:
+    s = shards(tp)
+    source = HeldSource(checkpoint(1))
+    trainer = s.trainer(source)
+    try:
+        for seed in (2, 3, 2):
+            source.tensors = checkpoint(seed)
+            trainer.send_weights()
+            s.assert_serving(seed)
+            for engine, model in zip(s.engines, s.models, strict=True):
+                share = model.kept_bytes()
+                assert abs(engine.pulled_bytes - share) <= 0.05 * share
+                if tp > 1:
+                    assert engine.pulled_bytes < total_bytes(source.tensors) / tp * 1.1
+    finally:
+        trainer.shutdown()
+
+
+def test_two_pipeline_producers_feed_three_replicas(shards: Any) -> None:
+    s = shards(1, replicas=3)
+    tensors = checkpoint(1)
+    sources = [HeldSource(tensors, held_part(tensors, r, 2)) for r in range(2)]
+    rank1 = s.trainer(sources[1], rank=1, client=object(), num_trainer_ranks=2)
+    rank0 = s.trainer(sources[0], rank=0, num_trainer_ranks=2)
+    payloads = [rank0.get_worker_init_payload(r) for r in range(3)]
+    assert [p["replica_rank"] for p in payloads] == [0, 1, 2]
+    assert len(payloads[0]["owner_sets"]) == 2  # each name held by exactly one of the two ranks
+    try:
+        for seed in (2, 3):
+            for src in sources:
+                src.tensors = checkpoint(seed)
+            other = threading.Thread(target=rank1.send_weights)
+            other.start()
+            rank0.send_weights()
+            other.join(30)
+            assert not other.is_alive()
+            s.assert_serving(seed)
+    finally:
+        rank0.shutdown()
+        rank1.shutdown()
+
+
+def test_replicated_producers_share_the_pulls(shards: Any) -> None:
+    """Two ranks holding everything: consumers spread their groups over both."""
+    s = shards(2)
+    tensors = checkpoint(1)
+    sources = [HeldSource(tensors) for _ in range(2)]
+    rank1 = s.trainer(sources[1], rank=1, client=object(), num_trainer_ranks=2)
+    rank0 = s.trainer(sources[0], rank=0, num_trainer_ranks=2)
+    try:
+        for src in sources:
+            src.tensors = checkpoint(2)
+        other = threading.Thread(target=rank1.send_weights)
+        other.start()
+        rank0.send_weights()
+        other.join(30)
+        s.assert_serving(2)
+        for engine in s.engines:
+            assert engine.plan is not None
+            assert {c.owner for c in engine.plan.chunks} == {0, 1}
+    finally:
+        rank0.shutdown()
+        rank1.shutdown()
+
+
+# -- refusals at init, each naming the culprit ------------------------------------------------
+def test_orphan_name_is_refused(shards: Any) -> None:
+    s = shards(1)
+    tensors = checkpoint(1)
+    held = [held_part(tensors, r, 2) for r in range(2)]
+    held[1].discard("norm.weight")
+    rank1 = s.trainer(HeldSource(tensors, held[1]), rank=1, client=object(), num_trainer_ranks=2)
+    try:
+        with pytest.raises(ValueError, match=r"no trainer rank holds 'norm\.weight'"):
+            s.trainer(HeldSource(tensors, held[0]), rank=0, num_trainer_ranks=2)
+    finally:
+        rank1.shutdown()
+
+
+def test_disagreeing_metadata_is_refused(shards: Any) -> None:
+    s = shards(1)
+    tensors = checkpoint(1)
+    other = dict(tensors)
+    other["norm.weight"] = torch.zeros(7)
+    rank1 = s.trainer(HeldSource(other), rank=1, client=object(), num_trainer_ranks=2)
+    try:
+        with pytest.raises(ValueError, match="trainer rank 1 describes different metadata"):
+            s.trainer(HeldSource(tensors), rank=0, num_trainer_ranks=2)
+    finally:
+        rank1.shutdown()
+
+
+def test_loader_op_outside_the_allowlist_is_refused(shards: Any) -> None:
+    s = shards(1, model_cls=UnsupportedModel)
+    with pytest.raises(NotImplementedError, match=r"'norm.weight'.*to is not a slice op"):
+        s.trainer(HeldSource(checkpoint(1)))
+
+
+def test_bad_held_names_are_refused(shards: Any) -> None:
+    s = shards(1)
+    with pytest.raises(ValueError, match="held_names\\(\\) lists 'nope'"):
+        s.trainer(HeldSource(checkpoint(1), {"nope"}))
+    with pytest.raises(ValueError, match="held_names\\(\\) is empty"):
+        s.trainer(HeldSource(checkpoint(1), set()))
+
+
+# -- failures in a sync keep the previous weights; the next sync works -------------------------
+class BrokenSource(HeldSource):
+    """Yields None for `name` although it is held (a rank that lost a shard)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], name: str) -> None:
+        super().__init__(tensors)
+        self.name = name
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        for name, tensor in self.tensors.items():
+            yield name, None if name == self.name else tensor
+
+
+def test_held_name_yielding_none_fails_the_sync_and_keeps_weights(shards: Any) -> None:
+    s = shards(2)
+    source = HeldSource(checkpoint(1))
+    trainer = s.trainer(source)
+    try:
+        source.tensors = checkpoint(2)
+        trainer.send_weights()
+        trainer.source = BrokenSource(checkpoint(3), "layers.1.o.weight")
+        with pytest.raises(RuntimeError, match=r"'layers\.1\.o\.weight' is in held_names\(\) but"):
+            trainer.send_weights()
+        s.assert_serving(2)
+        trainer.source = source
+        source.tensors = checkpoint(3)
+        trainer.send_weights()
+        s.assert_serving(3)
+    finally:
+        trainer.shutdown()
+
+
+def test_silent_consumer_fails_the_sync_within_the_watchdog(shards: Any) -> None:
+    """A consumer that never pulls: the trainer fails within stall_timeout_s, naming it."""
+    s = shards(2)
+    source = HeldSource(checkpoint(1))
+    trainer = s.trainer(source, stall_timeout_s=2.0)
+    try:
+        s.replicas[0].skip_update = {1}
+        source.tensors = checkpoint(2)
+        started = time.monotonic()
+        with pytest.raises(Exception, match=r"consumers \[1\]|consumer 1"):
+            trainer.send_weights()
+        assert time.monotonic() - started < 20
+        # consumer 1 never saw the update; its host ends the round it holds open
+        with pytest.raises(RoundAbortedError):
+            s.sessions[1].update_weights({ABORT_FIELD: "the sync failed"})
+        s.replicas[0].skip_update = set()
+        trainer.send_weights()
+        s.assert_serving(2)
+    finally:
+        trainer.shutdown()
+
+
+def test_failing_scatter_rolls_back_and_next_sync_works(shards: Any) -> None:
+    s = shards(2)
+    source = HeldSource(checkpoint(1))
+    trainer = s.trainer(source)
+    try:
+        source.tensors = checkpoint(2)
+        trainer.send_weights()
+        loader_write = type(s.engines[1].new_loader()).write
+        calls = {"n": 0}
+
+        def failing(self: Any, scatter: Any, src: torch.Tensor) -> None:
+            calls["n"] += self.model is s.models[1]
+            if calls["n"] == 5 and self.model is s.models[1]:
+                raise RuntimeError("disk on fire")
+            loader_write(self, scatter, src)
+
+        pytest.MonkeyPatch().setattr(type(s.engines[1].new_loader()), "write", failing)
+        source.tensors = checkpoint(3)
+        with pytest.raises(Exception, match=r"consumer 1.*disk on fire"):
+            trainer.send_weights()
+        s.assert_serving(2)
+        pytest.MonkeyPatch().setattr(type(s.engines[1].new_loader()), "write", loader_write)
+        trainer.send_weights()
+        s.assert_serving(3)
+    finally:
+        trainer.shutdown()
+
+
+def test_degraded_live_set_and_rejoin(shards: Any) -> None:
+    s = shards(2)
+    source = HeldSource(checkpoint(1))
+    trainer = s.trainer(source)
+    try:
+        source.tensors = checkpoint(2)
+        trainer.send_weights()
+        source.tensors = checkpoint(3)
+        trainer.send_weights(live_consumers=[0])
+        s.assert_serving(3, [0])
+        s.assert_serving(2, [1])
+        # consumer 1 restarts: a fresh engine and model, re-initialized from the kept payload
+        fresh = shards(2)
+        s.models[1], s.engines[1], s.sessions[1] = (
+            fresh.models[1],
+            fresh.engines[1],
+            fresh.sessions[1],
+        )
+        s.replicas[0].sessions[1] = fresh.sessions[1]
+        fresh.sessions[1].init_weight_transfer_engine(trainer.get_worker_init_payload())
+        trainer.send_weights()
+        s.assert_serving(3)
+    finally:
+        trainer.shutdown()
+
+
+def test_expert_parallel_consumers_skip_foreign_experts(shards: Any) -> None:
+    s = shards(2)
+    trainer = s.trainer(HeldSource(checkpoint(1)))
+    try:
+        for rank, engine in enumerate(s.engines):
+            assert engine.plan is not None
+            pulled = {key[0] for chunk in engine.plan.chunks for key in chunk.keys}
+            experts = {n for n in pulled if ".experts." in n}
+            assert experts == {
+                f"layers.{i}.experts.{e}.w1.weight"
+                for i in range(2)
+                for e in range(EXPERTS)
+                if e % 2 == rank
+            }
+    finally:
+        trainer.shutdown()
+
+
+def test_update_from_another_trainer_is_refused(shards: Any) -> None:
+    s = shards(1)
+    source = HeldSource(checkpoint(1))
+    trainer = s.trainer(source)
+    try:
+        with pytest.raises(ValueError, match="replace_trainer=True"):
+            s.trainer(HeldSource(checkpoint(1)), producer_prefix=s.prefix + "-b")
+        metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in checkpoint(1).items()]
+        assert metas == source.metadata()
+    finally:
+        trainer.shutdown()

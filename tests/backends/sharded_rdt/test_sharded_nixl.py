@@ -1,0 +1,280 @@
+"""`sharded_rdt` over Ray Direct Transport with NIXL, on a local Ray cluster (127.0.0.1).
+
+Producers are Ray actors started by the trainer engines in this process;
+consumers are Ray actors, each one inference worker pulling its slices over
+NIXL (UCX on loopback). Every check compares a consumer's parameters bit for
+bit with a fresh shard loaded the ordinary way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.backends.sharded_rdt.ray_parts import (
+    ActorsClient,
+    Consumer,
+    ray_cluster,
+)  # loopback env first
+
+pytest.importorskip("nixl")
+ray = pytest.importorskip("ray")
+
+from tests.backends.sharded_rdt.models import checkpoint, held_part, reference  # noqa: E402
+from tests.backends.sharded_rdt.test_sharded_loopback import HeldSource  # noqa: E402
+from weight_transfer import FanOutClient, WeightSyncRPCError  # noqa: E402
+from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    with ray_cluster() as r:
+        yield r
+
+
+def consumers(
+    cluster: Any, tp: int, replicas: int = 1, ranks: list[int] | None = None
+) -> list[Any]:
+    actor_cls = cluster.remote(num_cpus=0)(Consumer)
+    which = ranks if ranks is not None else list(range(tp))
+    actors = [actor_cls.remote(r, tp) for _ in range(replicas) for r in which]
+    cluster.get([a.pid.remote() for a in actors], timeout=120)
+    return actors
+
+
+def info(rank: int, num_consumers: int, prefix: str, **kw: Any) -> ShardedRDTTrainerInitInfo:
+    defaults: dict[str, Any] = dict(
+        num_consumers=num_consumers,
+        transport="nixl",
+        producer_prefix=prefix,
+        timeout_s=60.0,
+        stall_timeout_s=20.0,
+        peer_timeout_s=10.0,
+    )
+    defaults.update(kw)
+    return ShardedRDTTrainerInitInfo(rank=rank, **defaults)
+
+
+def assert_serving(
+    cluster: Any, actors: list[Any], tp: int, seed: int, *, synced: bool = True
+) -> None:
+    """Each consumer holds its shard of `seed`; after a sync (`synced`) it pulled its share."""
+    for actor in actors:
+        cluster.get(actor.end_round.remote(), timeout=60)
+    for i, actor in enumerate(actors):
+        params, pulled, share = cluster.get(actor.state.remote(), timeout=60)
+        want = reference(seed, i % tp, tp)
+        for name, got in params.items():
+            assert torch.equal(got, want[name]), f"consumer {i}: {name} differs from seed {seed}"
+        if synced:
+            assert abs(pulled - share) <= 0.05 * share, (
+                f"consumer {i} pulled {pulled}, share {share}"
+            )
+
+
+def test_tensor_parallel_consumers_over_nixl(cluster: Any) -> None:
+    actors = consumers(cluster, 2)
+    source = HeldSource(checkpoint(1))
+    prefix = f"wt-nixl-{next(_prefixes)}"
+    trainer = ShardedRDTTrainerEngine.trainer_init(
+        info(0, 2, prefix), client=ActorsClient(actors), source=source
+    )
+    try:
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        assert f"{prefix}-rk0" in names
+        total = sum(t.numel() * t.element_size() for t in source.tensors.values())
+        for seed in (2, 3):
+            source.tensors = checkpoint(seed)
+            trainer.send_weights()
+            assert_serving(cluster, actors, 2, seed)
+            for actor in actors:
+                _, pulled, _ = cluster.get(actor.state.remote(), timeout=60)
+                assert pulled < 0.55 * total
+    finally:
+        trainer.shutdown()
+        for a in actors:
+            ray.kill(a)
+
+
+def test_two_producers_three_replicas_over_nixl(cluster: Any) -> None:
+    actors = consumers(cluster, 1, replicas=3)
+    client = FanOutClient([ActorsClient([a]) for a in actors])
+    tensors = checkpoint(1)
+    sources = [HeldSource(tensors, held_part(tensors, r, 2)) for r in range(2)]
+    prefix = f"wt-nixl-{next(_prefixes)}"
+    kw = dict(num_trainer_ranks=2, num_replicas=3)
+    rank1 = ShardedRDTTrainerEngine.trainer_init(
+        info(1, 3, prefix, **kw), client=object(), source=sources[1]
+    )  # type: ignore[arg-type]
+    rank0 = ShardedRDTTrainerEngine.trainer_init(
+        info(0, 3, prefix, **kw), client=client, source=sources[0]
+    )
+    try:
+        for seed in (2, 3):
+            for src in sources:
+                src.tensors = checkpoint(seed)
+            other = threading.Thread(target=rank1.send_weights)
+            other.start()
+            rank0.send_weights()
+            other.join(60)
+            assert not other.is_alive()
+            assert_serving(cluster, actors, 1, seed)
+    finally:
+        rank0.shutdown()
+        rank1.shutdown()
+        for a in actors:
+            ray.kill(a)
+
+
+class GatedSource(HeldSource):
+    """Stops before yielding `at` until `go` is set, after setting `reached`."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], at: str) -> None:
+        super().__init__(tensors)
+        self.at = at
+        self.reached, self.go = threading.Event(), threading.Event()
+        self.armed = False
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        for name, tensor in super().__iter__():
+            if self.armed and name == self.at:
+                self.reached.set()
+                assert self.go.wait(120)
+            yield name, tensor
+
+
+def _sync_in_background(trainer: Any) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            trainer.send_weights()
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
+def test_producer_killed_mid_sync(cluster: Any) -> None:
+    actors = consumers(cluster, 2)
+    source = GatedSource(checkpoint(1), at="layers.1.q.weight")
+    prefix = f"wt-nixl-{next(_prefixes)}"
+    trainer = ShardedRDTTrainerEngine.trainer_init(
+        info(0, 2, prefix), client=ActorsClient(actors), source=source
+    )
+    try:
+        source.tensors = checkpoint(2)
+        trainer.send_weights()
+        source.tensors, source.armed = checkpoint(3), True
+        thread, errors = _sync_in_background(trainer)
+        assert source.reached.wait(60)
+        started = time.monotonic()
+        ray.kill(ray.get_actor(f"{prefix}-rk0"))
+        source.go.set()
+        thread.join(60)
+        assert not thread.is_alive() and errors
+        assert time.monotonic() - started < 30
+        assert_serving(cluster, actors, 2, 2, synced=False)
+        # the trainer restarts its producer (a new engine); the workers take it over
+        trainer.shutdown()
+        source.armed = False
+        trainer = ShardedRDTTrainerEngine.trainer_init(
+            info(0, 2, prefix), client=ActorsClient(actors), source=source
+        )
+        trainer.send_weights()
+        assert_serving(cluster, actors, 2, 3)
+    finally:
+        trainer.shutdown()
+        for a in actors:
+            ray.kill(a)
+
+
+def test_consumer_killed_mid_sync(cluster: Any) -> None:
+    actors = consumers(cluster, 2)
+    source = GatedSource(checkpoint(1), at="layers.1.q.weight")
+    prefix = f"wt-nixl-{next(_prefixes)}"
+    client = ActorsClient(actors)
+    trainer = ShardedRDTTrainerEngine.trainer_init(info(0, 2, prefix), client=client, source=source)
+    try:
+        source.tensors = checkpoint(2)
+        trainer.send_weights()
+        source.tensors, source.armed = checkpoint(3), True
+        thread, errors = _sync_in_background(trainer)
+        assert source.reached.wait(60)
+        started = time.monotonic()
+        ray.kill(actors[1])
+        source.go.set()
+        thread.join(60)
+        assert not thread.is_alive() and errors
+        assert isinstance(errors[0], WeightSyncRPCError)
+        assert "worker 1: ActorDiedError" in str(errors[0]) or "consumer 1 went silent" in str(
+            errors[0]
+        )
+        assert time.monotonic() - started < 30
+        # the worker restarts and rejoins from the payload the trainer keeps
+        (actors[1],) = consumers(cluster, 2, ranks=[1])
+        client.actors = actors
+        cluster.get(
+            actors[1].call.remote("init_weight_transfer_engine", trainer.get_worker_init_payload()),
+            timeout=60,
+        )
+        source.armed = False
+        trainer.send_weights()
+        assert_serving(cluster, actors, 2, 3)
+    finally:
+        trainer.shutdown()
+        for a in actors:
+            ray.kill(a)
+
+
+class RaisingSource(HeldSource):
+    def __init__(self, tensors: dict[str, torch.Tensor], at: str) -> None:
+        super().__init__(tensors)
+        self.at = at
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        for name, tensor in super().__iter__():
+            if name == self.at:
+                raise RuntimeError(f"lost the shard holding {name}")
+            yield name, tensor
+
+
+def test_trainer_failure_mid_sync_over_nixl(cluster: Any) -> None:
+    """The consumers' updates fail at once (no waiting out a timeout) and roll back."""
+    actors = consumers(cluster, 2)
+    source = HeldSource(checkpoint(1))
+    prefix = f"wt-nixl-{next(_prefixes)}"
+    trainer = ShardedRDTTrainerEngine.trainer_init(
+        info(0, 2, prefix), client=ActorsClient(actors), source=source
+    )
+    try:
+        source.tensors = checkpoint(2)
+        trainer.send_weights()
+        trainer.source = RaisingSource(checkpoint(3), "layers.1.o.weight")
+        with pytest.raises(RuntimeError, match="lost the shard"):
+            trainer.send_weights()
+        started = time.monotonic()
+        while any(cluster.get([a.round_open.remote() for a in actors], timeout=60)):
+            assert time.monotonic() - started < 10, "the consumers' rounds stayed open"
+            time.sleep(0.1)
+        assert_serving(cluster, actors, 2, 2, synced=False)
+        trainer.source = source
+        source.tensors = checkpoint(3)
+        trainer.send_weights()
+        assert_serving(cluster, actors, 2, 3)
+    finally:
+        trainer.shutdown()
+        for a in actors:
+            ray.kill(a)

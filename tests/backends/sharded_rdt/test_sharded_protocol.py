@@ -1,0 +1,215 @@
+"""`sharded_rdt`'s pure pieces: handshake validation, plans, routing, the producer's rules."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from tests.backends.sharded_rdt.models import ShardedModel, checkpoint
+from weight_transfer import ParamMeta, layerwise_groups
+from weight_transfer.backend import DirectLoader, payload_of
+from wt_sharded_rdt.producer import Producer, ProducerError
+from wt_sharded_rdt.protocol import (
+    Router,
+    ShardedRDTWorkerInitInfo,
+    build_plan,
+    metadata_digest,
+    owner_table,
+)
+from wt_sharded_rdt.trainer import ShardedRDTTrainerInitInfo
+from wt_sharded_rdt.worker import bake
+
+
+def handshake(**kw: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = dict(
+        transport="loopback",
+        producer_names=["p0", "p1"],
+        names=["a.w", "b.w"],
+        dtype_names=["float32", "bfloat16"],
+        shapes=[[2, 2], [3]],
+        group_lens=[1, 1],
+        owner_sets=[[0], [0, 1]],
+        name_owner_class=[0, 1],
+        num_consumers=4,
+        workers_per_replica=2,
+        replica_rank=1,
+    )
+    fields.update(kw)
+    return fields
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"group_lens": [1]}, "group_lens"),
+        ({"owner_sets": [[0], [2]]}, "owner_sets[1]"),
+        ({"owner_sets": [[1, 0], [0]]}, "owner_sets[0]"),
+        ({"name_owner_class": [0]}, "name_owner_class"),
+        ({"name_owner_class": [0, 5]}, "name_owner_class[1]"),
+        ({"transport": "carrier-pigeon"}, "transport"),
+        ({"replica_rank": 2}, "replica_rank"),
+        ({"workers_per_replica": 5}, "workers_per_replica"),
+        ({"producer_names": []}, "producer_names"),
+        ({"dtype_names": ["float32", "complex64"]}, "dtype_names[1]"),
+        ({"shapes": [[2, -2], [3]]}, "shapes[0]"),
+        ({"num_rdt_buffers": 0}, "num_rdt_buffers"),
+        ({"stall_timeout_s": 0}, "stall_timeout_s"),
+    ],
+)
+def test_malformed_handshake_names_the_field(change: dict[str, Any], field: str) -> None:
+    with pytest.raises(
+        ValueError, match=f"field '{field}'".replace("[", r"\[").replace("]", r"\]")
+    ):
+        ShardedRDTWorkerInitInfo(**handshake(**change))
+
+
+def test_handshake_round_trips_as_json() -> None:
+    info = ShardedRDTWorkerInitInfo(**handshake())
+    again = ShardedRDTWorkerInitInfo(**payload_of(info))
+    assert (
+        again.metas
+        == info.metas
+        == [
+            ParamMeta("a.w", torch.float32, (2, 2)),
+            ParamMeta("b.w", torch.bfloat16, (3,)),
+        ]
+    )
+    assert again.groups() == [["a.w"], ["b.w"]]
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"num_consumers": 3, "num_replicas": 2}, "num_consumers"),
+        ({"rank": 2, "num_trainer_ranks": 2}, "rank"),
+        ({"gather_lookahead": -1}, "gather_lookahead"),
+        ({"transport": "tcp"}, "transport"),
+        ({"chunk_bytes": 10}, "chunk_bytes"),
+    ],
+)
+def test_trainer_init_info_names_the_field(kw: dict[str, Any], field: str) -> None:
+    args: dict[str, Any] = {"rank": 0, "num_consumers": 2, **kw}
+    with pytest.raises(ValueError, match=f"field '{field}'"):
+        ShardedRDTTrainerInitInfo(**args)
+
+
+def test_owner_table_is_a_pure_function_and_names_orphans() -> None:
+    names = ["a", "b", "c"]
+    assert owner_table(names, [[True, True, False], [False, True, True]]) == (
+        [[0], [0, 1], [1]],
+        [0, 1, 2],
+    )
+    with pytest.raises(ValueError, match="'b'"):
+        owner_table(names, [[True, False, False], [False, False, True]])
+    metas = [ParamMeta("a", torch.float32, (2,))]
+    assert metadata_digest(metas) != metadata_digest([ParamMeta("a", torch.float32, (3,))])
+
+
+def recorded(tp_rank: int, tp: int) -> tuple[Any, list[list[str]]]:
+    tensors = checkpoint(1)
+    metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    groups = layerwise_groups(m.name for m in metas)
+    by = {m.name: m for m in metas}
+    record, _ = bake(DirectLoader(ShardedModel(tp_rank, tp)), [[by[n] for n in g] for g in groups])
+    return record, groups
+
+
+def test_plan_chunks_by_owner_and_size() -> None:
+    record, groups = recorded(0, 2)
+    names = [n for g in groups for n in g]
+    # the embedding with rank 0 only, everything else with both ranks
+    router = Router([[0], [0, 1]], [0 if n == "embed.weight" else 1 for n in names], names)
+    plan = build_plan(record, groups, router, consumer_id=1, chunk_bytes=4096)
+    assert plan.chunks[0].owner == 0 and plan.chunks[0].keys[0][0] == "embed.weight"
+    by_group: dict[int, list[Any]] = {}
+    for chunk in plan.chunks:
+        by_group.setdefault(chunk.group, []).append(chunk)
+        assert chunk.nbytes <= 4096 or len(chunk.keys) == 1
+        assert all(o % 64 == 0 for o in chunk.offsets)
+    for group, chunks in by_group.items():
+        assert [c.frees for c in chunks] == [[]] * (len(chunks) - 1) + [[group]]
+        assert len({c.owner for c in chunks}) == 1  # a layer's names share one owner class
+    # seq counts each producer's pulls in issue order
+    for owner in {c.owner for c in plan.chunks}:
+        assert [c.seq for c in plan.chunks if c.owner == owner] == list(
+            range(sum(c.owner == owner for c in plan.chunks))
+        )
+    # each module is materialized before its first chunk and processed after its last
+    begins = {m: c.index for c in plan.chunks for m in c.begins}
+    ends = {m: c.index for c in plan.chunks for m in c.ends}
+    assert begins.keys() == ends.keys() and all(begins[m] <= ends[m] for m in begins)
+    # consumers 0 and 1 spread their layers over the two ranks holding them
+    other = build_plan(record, groups, router, consumer_id=0, chunk_bytes=4096)
+    assert [c.owner for c in other.chunks if c.group == 1] != [
+        c.owner for c in plan.chunks if c.group == 1
+    ]
+
+
+def producer(**kw: Any) -> Producer:
+    args: dict[str, Any] = dict(
+        rank=0,
+        served_names=["a"],
+        digest="d",
+        held=[True],
+        num_buffers=2,
+        stall_timeout_s=5.0,
+        peer_timeout_s=5.0,
+    )
+    args.update(kw)
+    return Producer(**args)
+
+
+def test_producer_refuses_misrouted_and_stale_pulls() -> None:
+    p = producer()
+    p.begin_sync(2, [0])
+    with pytest.raises(ProducerError, match="does not hold 'b'"):
+        p.serve(2, 0, 0, [("b", ())], [("float32", 4)])
+    with pytest.raises(ProducerError, match="pulled for sync 1"):
+        p.serve(1, 0, 0, [("a", ())], [("float32", 4)])
+    with pytest.raises(ValueError, match="'seq'"):
+        p.serve(2, 0, -1, [("a", ())], [("float32", 4)])
+    p.publish(0, {"a": torch.arange(4, dtype=torch.float32)})
+    with pytest.raises(ProducerError, match="'a'.*expects float32 x 3"):
+        p.serve(2, 0, 0, [("a", ())], [("float32", 3)])
+    blob = p.serve(2, 0, 0, [("a", (("narrow", (0, 1, 2), ()),))], [("float32", 2)])
+    assert torch.equal(blob.view(torch.float32), torch.tensor([1.0, 2.0]))
+
+
+def test_producer_frees_count_per_sync() -> None:
+    p = producer()
+    p.begin_sync(1, [0, 1])
+    p.free(2, 0, 0)  # early: belongs to the next sync
+    p.publish(0, {"a": torch.zeros(4)})
+    assert p.free(1, 0, 0) and p.wait_freed(0.1) == []
+    assert p.free(1, 1, 0) and p.wait_freed(0.1) == [0]
+    p.end_sync()
+    p.begin_sync(2, [0, 1])
+    assert not p.free(1, 1, 0)  # late: credits nothing
+    p.publish(0, {"a": torch.zeros(4)})
+    assert p.wait_freed(0.1) == []  # only consumer 0's early free counted
+    p.free(2, 1, 0)
+    assert p.wait_freed(0.1) == [0]
+
+
+def test_producer_error_wakes_every_waiter() -> None:
+    p = producer()
+    p.begin_sync(1, [0])
+    errors: list[BaseException] = []
+
+    def pull() -> None:
+        try:
+            p.serve(1, 0, 0, [("a", ())], [("float32", 4)])
+        except BaseException as error:
+            errors.append(error)
+
+    waiter = threading.Thread(target=pull)
+    waiter.start()
+    p.set_error("trainer rank 0 failed")
+    waiter.join(5)
+    assert not waiter.is_alive()
+    assert "trainer rank 0 failed" in str(errors[0])
+    with pytest.raises(ProducerError, match="trainer rank 0 failed"):
+        p.wait_freed(0.1)

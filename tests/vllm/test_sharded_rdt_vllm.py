@@ -1,0 +1,142 @@
+"""`wt_sharded_rdt` in live vLLM engines: two replicas, each an `LLM` in a Ray actor.
+
+The trainer (this process) hosts its producer as a Ray actor; each replica's
+worker records its model's slices once (a dry run of vLLM's own loaders) and
+then pulls them over NIXL every sync. Greedy tokens and logprobs must equal
+a fresh engine loaded from the target weights, on both replicas; a sync that
+fails mid-way leaves both serving the previous weights, and the next works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.backends.sharded_rdt.ray_parts import ACTOR_ENV, LOOPBACK_ENV, ray_cluster
+from tests.vllm.conftest import (
+    INITIAL_SEED,
+    LLM_KWARGS,
+    PROMPTS,
+    Outputs,
+    References,
+    SwitchSource,
+    TinyDirs,
+    VersionedClient,
+    hf_model,
+    outputs_of,
+    require_backend,
+    sampling_params,
+)
+from weight_transfer import FanOutClient, ModuleSource, ParamMeta, RayVLLMWeightSyncClient
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
+
+REPLICAS = 2
+VLLM_ENV = {
+    **ACTOR_ENV,
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_dirs: TinyDirs) -> Iterator[list[Any]]:
+    require_backend("sharded_rdt")
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    with ray_cluster(num_cpus=4) as cluster:
+        actor_cls = cluster.remote(num_cpus=1, runtime_env={"env_vars": VLLM_ENV})(LLM)
+        actors = [
+            actor_cls.remote(
+                model=tiny_dirs[INITIAL_SEED],
+                weight_transfer_config=WeightTransferConfig(backend="wt_sharded_rdt"),
+                **LLM_KWARGS,
+            )
+            for _ in range(REPLICAS)
+        ]
+        cluster.get([a.get_weight_version.remote() for a in actors], timeout=240)
+        yield actors
+        for actor in actors:
+            cluster.kill(actor)
+
+
+def generate(actor: Any) -> Outputs:
+    return outputs_of(
+        ray.get(actor.generate.remote(PROMPTS, sampling_params(), use_tqdm=False), timeout=120)
+    )
+
+
+class FailingSource(ModuleSource):
+    """A model whose iteration raises at `name` (a trainer rank that fails mid-sync)."""
+
+    def __init__(self, module: torch.nn.Module, name: str) -> None:
+        super().__init__(module)
+        self.name = name
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in super().__iter__():
+            if name == self.name:
+                raise RuntimeError(f"lost the shard holding {name}")
+            yield name, tensor
+
+
+def test_two_replicas_pull_over_nixl(replicas: list[Any], references: References) -> None:
+    from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo
+
+    for actor in replicas:
+        assert generate(actor) == references.outputs(INITIAL_SEED)
+    clients = [VersionedClient(RayVLLMWeightSyncClient(a, timeout=120.0)) for a in replicas]
+    source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
+    info = ShardedRDTTrainerInitInfo(
+        rank=0,
+        num_consumers=REPLICAS,
+        num_replicas=REPLICAS,
+        transport="nixl",
+        producer_prefix="wt-vllm-rdt",
+        timeout_s=120.0,
+        stall_timeout_s=30.0,
+        actor_env=LOOPBACK_ENV,
+    )
+    trainer = ShardedRDTTrainerEngine.trainer_init(
+        info, client=FanOutClient(clients), source=source
+    )
+    try:
+        metas: list[ParamMeta] = source.metadata()
+        total = sum(m.nbytes for m in metas)
+        for round_, seed in enumerate((2, 3), start=1):
+            source.inner = ModuleSource(hf_model(seed))
+            for client in clients:
+                client.version = f"rdt-{round_}"
+            trainer.send_weights()
+            for r, actor in enumerate(replicas):
+                assert generate(actor) == references.outputs(seed), f"replica {r}, round {round_}"
+                assert ray.get(actor.get_weight_version.remote(), timeout=60) == f"rdt-{round_}"
+        pulled = ray.get([a.collective_rpc.remote(_pulled_bytes) for a in replicas], timeout=60)
+        for per_replica in pulled:
+            assert 0 < per_replica[0] <= total  # TP 1: the whole model, pulled as slices
+
+        source.inner = FailingSource(hf_model(2), "model.layers.1.mlp.down_proj.weight")
+        with pytest.raises(RuntimeError, match="lost the shard"):
+            trainer.send_weights()
+        for r, actor in enumerate(replicas):
+            assert generate(actor) == references.outputs(3), f"replica {r} after the failed sync"
+
+        source.inner = ModuleSource(hf_model(2))
+        trainer.send_weights()
+        for r, actor in enumerate(replicas):
+            assert generate(actor) == references.outputs(2), f"replica {r} after recovery"
+    finally:
+        trainer.shutdown()
+
+
+def _pulled_bytes(worker: Any) -> int:
+    return int(worker.weight_transfer_engine.pulled_bytes)
