@@ -40,7 +40,7 @@ def test_compare_rejects_wrong_tokens_and_logprobs() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+@pytest.mark.parametrize("backend", ["nccl", "ipc", "sharded_rdt"])
 def test_demo_runs_and_verifies(backend: str) -> None:
     pytest.importorskip("vllm")
     if not installed(backend):

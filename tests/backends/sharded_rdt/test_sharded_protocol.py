@@ -172,7 +172,7 @@ def test_producer_refuses_misrouted_and_stale_pulls() -> None:
     with pytest.raises(ValueError, match="'seq'"):
         p.serve(2, 0, -1, [("a", ())], [("float32", 4)])
     p.publish(0, {"a": torch.arange(4, dtype=torch.float32)})
-    with pytest.raises(ProducerError, match="'a'.*expects float32 x 3"):
+    with pytest.raises(ProducerError, match=r"'a'.*expects float32 x 3"):
         p.serve(2, 0, 0, [("a", ())], [("float32", 3)])
     blob = p.serve(2, 0, 0, [("a", (("narrow", (0, 1, 2), ()),))], [("float32", 2)])
     assert torch.equal(blob.view(torch.float32), torch.tensor([1.0, 2.0]))

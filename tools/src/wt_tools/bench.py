@@ -15,6 +15,11 @@ starts vLLM on it in-process, and times, interleaved over `--repeats` rounds:
   model's size, 16 buffers) and unpacked, into a second engine (backend
   `wt_ipc`) with its own floor and save + reload: colocated, the bytes go
   through shared memory instead of a socket;
+- wt_sharded_rdt over NIXL (a local Ray cluster on 127.0.0.1; the producer
+  is a Ray actor, the engine's worker pulls its slices) into a third engine,
+  with its own floor; and, for tensor-parallel engines of 1, 2 and 4 workers
+  (a sharded MLP stack, `wt_tools.sharded_bench`), the bytes each worker
+  pulls against the model's size (a broadcast sends every worker all of it);
 - ipc transport alone: the same tensors into a plain module of the same
   shapes (no vLLM), against a one-thread memcpy of the same bytes; then 100
   more syncs, after which /dev/shm usage and this process's RSS are compared
@@ -43,10 +48,14 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from wt_tools.local_ray import LOOPBACK_ENV
 
-import torch
+for _key, _value in LOOPBACK_ENV.items():  # before anything imports Ray (vLLM does)
+    os.environ.setdefault(_key, _value)
 
-from wt_tools.tiny_model import TinyLlamaSpec, build_tiny_llama, tiny_llama
+import torch  # noqa: E402
+
+from wt_tools.tiny_model import TinyLlamaSpec, build_tiny_llama, tiny_llama  # noqa: E402
 
 
 def _greedy(llm: Any, prompt: str) -> list[int]:
@@ -73,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     from weight_transfer.transport.group import free_port
     from wt_ipc import IPCTrainerInitInfo
     from wt_nccl import NCCLTrainerInitInfo
+    from wt_sharded_rdt import ShardedRDTTrainerInitInfo
+    from wt_tools.local_ray import start_local_ray
+    from wt_tools.sharded_bench import measure
 
     spec = TinyLlamaSpec.large(num_hidden_layers=args.layers)
     work = tempfile.mkdtemp(prefix="wt-bench-")
@@ -94,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             weight_transfer_config=WeightTransferConfig(backend=f"wt_{backend}"),
             **extra,
         )
-        for backend in ("nccl", "ipc")
+        for backend in ("nccl", "ipc", "sharded_rdt")
     }
+    start_local_ray(work)
     clients = {backend: LocalVLLMWeightSyncClient(llm) for backend, llm in llms.items()}
     sources = [ModuleSource(m) for m in targets]
     device = "cuda" if cuda else "cpu"
@@ -111,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         info: Any
         if backend == "nccl":
             info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, device=device, **wire)
+        elif backend == "sharded_rdt":
+            info = ShardedRDTTrainerInitInfo(
+                rank=0, num_consumers=1, producer_prefix=f"wt-bench-{free_port()}", **wire
+            )
         else:
             info = IPCTrainerInitInfo(rank=0, device=device, **wire)
         engine = WeightTransferTrainerFactory.trainer_init(
@@ -194,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             "floor (ipc unpacked block)": floor("ipc"),
             "wt_ipc unpacked": sync_with("ipc", {"packed": False}),
         },
+        {
+            "floor (sharded_rdt engine)": floor("sharded_rdt"),
+            "wt_sharded_rdt (nixl)": sync_with("sharded_rdt", {}),
+        },
     ]
     times: dict[str, list[float]] = {}
     floor_of: dict[str, str] = {}
@@ -221,15 +242,35 @@ def main(argv: list[str] | None = None) -> int:
             print(f"MISMATCH: tokens after wt_{backend} differ from tokens after vLLM's reload")
             return 1
 
+    pulled = llms["sharded_rdt"].collective_rpc(_pulled_bytes)[0]
     rows = []
-    print(f"\n{'method':<34} {'median s':>9} {'GB/s':>7} {'x floor':>8}")
+    print(f"\n{'method':<34} {'median s':>9} {'GB/s':>7} {'x floor':>8} {'MB/worker':>10}")
     for name, ts in times.items():
         base = statistics.median(times[floor_of[name]])
         med = statistics.median(ts)
-        rows.append({"method": name, "median_s": med, "times_s": ts, "ratio_to_floor": med / base})
-        print(f"{name:<34} {med:9.3f} {nbytes / 1e9 / med:7.2f} {med / base:8.2f}")
+        per_worker = pulled if name.startswith("wt_sharded_rdt") else nbytes
+        moved = f"{per_worker / 1e6:10.1f}" if name.startswith("wt_") else f"{'-':>10}"
+        rows.append(
+            {
+                "method": name,
+                "median_s": med,
+                "times_s": ts,
+                "ratio_to_floor": med / base,
+                "bytes_per_worker": per_worker if name.startswith("wt_") else None,
+            }
+        )
+        print(f"{name:<34} {med:9.3f} {nbytes / 1e9 / med:7.2f} {med / base:8.2f} {moved}")
     for _, engine in connected.values():
         engine.shutdown()
+    sharded = [measure(tp, repeats=args.repeats) for tp in (1, 2, 4)]
+    print("\nsharded_rdt, tensor-parallel engines (sharded MLP stack, loopback transport):")
+    print(f"{'workers':>7} {'model MB':>9} {'MB per worker':>14} {'share':>6} {'sync s':>7}")
+    for row in sharded:
+        per = max(row["bytes_per_worker"])
+        print(
+            f"{row['tp']:>7} {row['model_bytes'] / 1e6:9.1f} {per / 1e6:14.1f} "
+            f"{per / row['model_bytes']:6.2f} {row['seconds']:7.3f}"
+        )
     transport = _in_fresh_process(_ipc_transport, spec, args.repeats)
     print()
     for line in transport.pop("lines"):
@@ -258,12 +299,18 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "rows": rows,
         "ipc": {"ratio_to_floor": ipc_ratio, "speedup_over_save_reload": speedup, **transport},
+        "bytes_per_worker": {"nccl": nbytes, "ipc": nbytes, "sharded_rdt": pulled},
+        "sharded_rdt_tp": sharded,
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"\nwritten: {args.out}")
     return 0
+
+
+def _pulled_bytes(worker: Any) -> int:
+    return int(worker.weight_transfer_engine.pulled_bytes)
 
 
 def _rss_bytes() -> int:

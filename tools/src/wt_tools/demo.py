@@ -21,10 +21,13 @@
 Prints per-sync seconds and GB/s (plus wt's own sync log line; syncs longer
 than 2 s show a progress bar on a terminal). Exits 1 if any check fails.
 
-Full-resync backends (`nccl`, `ipc`, `example_file`, third-party ones whose
-trainer init info takes the usual fields) are supported; the trainer init info is
-filled from its dataclass fields: `master_address`/`master_port`/`world_size`
-(a loopback group), `directory` (a scratch folder), `device`, `timeout_s`.
+Full-resync backends (`nccl`, `ipc`, `sharded_rdt`, `example_file`,
+third-party ones whose trainer init info takes the usual fields) are
+supported; the trainer init info is filled from its dataclass fields:
+`master_address`/`master_port`/`world_size` (a loopback group), `directory`
+(a scratch folder), `device`, `timeout_s`, `num_consumers` (one worker). A
+backend whose `transport` is `"nixl"` runs on Ray: the demo starts a local
+Ray cluster on 127.0.0.1 (UCX over loopback) for it and stops it at the end.
 """
 
 from __future__ import annotations
@@ -162,6 +165,7 @@ def trainer_init_info(backend: str, device: str, scratch: str, timeout_s: float)
         "device": device,
         "timeout_s": timeout_s,
         "rank": 0,
+        "num_consumers": 1,
     }
     kwargs = {}
     for f in dataclasses.fields(info_cls):
@@ -211,6 +215,10 @@ def start_vllm(model_dir: str, backend: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from wt_tools.local_ray import LOOPBACK_ENV
+
+    for key, value in LOOPBACK_ENV.items():  # before anything imports Ray (vLLM does)
+        os.environ.setdefault(key, value)
     from transformers import LlamaForCausalLM
 
     from weight_transfer import (
@@ -263,6 +271,10 @@ def run(args: argparse.Namespace) -> int:
 
     client = LocalVLLMWeightSyncClient(llm)
     info = trainer_init_info(args.backend, trainer_device, scratch, args.timeout)
+    if getattr(info, "transport", None) == "nixl":
+        from wt_tools.local_ray import start_local_ray
+
+        print(f"started a local Ray cluster for NIXL: {start_local_ray(scratch)}")
     trainer = WeightTransferTrainerFactory.trainer_init(
         info, client=client, source=ModuleSource(trainer_model)
     )
