@@ -1,8 +1,8 @@
 """Ray pieces for `sharded_rdt` over NIXL: a local cluster, consumer actors, their client.
 
 `ray_cluster()` starts a cluster on 127.0.0.1 in its own temporary directory
-(UCX on loopback TCP and shared memory, which NIXL needs on CPU) and checks
-that every node listens on loopback only. A `Consumer` actor is one
+(`wt_tools.local_ray`: UCX on loopback TCP and shared memory, which NIXL
+needs on CPU; every node checked to listen on loopback only). A `Consumer` actor is one
 inference worker: a `ShardedModel` shard with a real `ShardedRDTWorkerEngine`
 (created through the engine factory, so the entry point is exercised) inside
 a `WorkerSession`. `ActorsClient` reaches the workers of one replica, calling
@@ -19,15 +19,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from wt_tools.local_ray import LOOPBACK_ENV, local_ray, set_loopback_env
 
-LOOPBACK_ENV = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "UCX_TLS": "tcp,sm,self",
-    "UCX_NET_DEVICES": "lo",
-}
-for _k, _v in LOOPBACK_ENV.items():
-    os.environ.setdefault(_k, _v)
+set_loopback_env()
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 ACTOR_ENV = {**LOOPBACK_ENV, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
@@ -36,25 +30,12 @@ CALL_TIMEOUT_S = 120.0
 
 @contextlib.contextmanager
 def ray_cluster(num_cpus: int = 8) -> Iterator[Any]:
-    import ray
-
-    if ray.is_initialized():
-        raise RuntimeError("a Ray session is already running in this process")
+    """A loopback cluster in its own temporary directory (`wt_tools.local_ray`)."""
     temp_dir = tempfile.mkdtemp(prefix="wtrdt")
-    ray.init(
-        _temp_dir=temp_dir,
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        num_cpus=num_cpus,
-        log_to_driver=False,
-        runtime_env={"env_vars": ACTOR_ENV},
-    )
     try:
-        addresses = {node["NodeManagerAddress"] for node in ray.nodes()}
-        assert addresses == {"127.0.0.1"}, f"Ray is not on loopback only: {addresses}"
-        yield ray
+        with local_ray(temp_dir, num_cpus, env=ACTOR_ENV) as ray:
+            yield ray
     finally:
-        ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -48,10 +48,9 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-from wt_tools.local_ray import LOOPBACK_ENV
+from wt_tools.local_ray import set_loopback_env
 
-for _key, _value in LOOPBACK_ENV.items():  # before anything imports Ray (vLLM does)
-    os.environ.setdefault(_key, _value)
+set_loopback_env()  # before anything imports Ray (vLLM does)
 
 import torch  # noqa: E402
 

@@ -215,10 +215,9 @@ def start_vllm(model_dir: str, backend: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wt_tools.local_ray import LOOPBACK_ENV
+    from wt_tools.local_ray import set_loopback_env
 
-    for key, value in LOOPBACK_ENV.items():  # before anything imports Ray (vLLM does)
-        os.environ.setdefault(key, value)
+    set_loopback_env()  # before anything imports Ray (vLLM does)
     from transformers import LlamaForCausalLM
 
     from weight_transfer import (

@@ -1,18 +1,25 @@
 """A Ray cluster of this machine only, for the backends whose transport runs on Ray.
 
-`start_local_ray(scratch)` starts Ray on 127.0.0.1 with its files under
-`scratch`, UCX restricted to loopback TCP and shared memory (what NIXL needs
-on a machine without RDMA), and registers its shutdown at exit. It refuses to
-run when this process is already connected to a cluster, and checks that
-every node listens on loopback only.
+`local_ray(temp_dir)` (a context manager) starts Ray on 127.0.0.1 with its
+files under `temp_dir` and UCX restricted to loopback TCP and shared memory
+(what NIXL needs on a machine without RDMA), checks that every node listens
+on loopback only, and shuts down that cluster, and only it, on exit.
+`start_local_ray` does the same until the process exits. Both refuse to run
+when this process is already connected to a cluster.
+
+`set_loopback_env()` must run before anything imports Ray (vLLM does):
+Ray picks the machine's external address otherwise.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+from collections.abc import Iterator, Mapping
+from typing import Any
 
-__all__ = ["start_local_ray", "LOOPBACK_ENV"]
+__all__ = ["local_ray", "start_local_ray", "set_loopback_env", "LOOPBACK_ENV"]
 
 LOOPBACK_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -22,15 +29,17 @@ LOOPBACK_ENV = {
 }
 
 
-def start_local_ray(scratch: str, num_cpus: int = 2) -> str:
-    """Start the cluster (see the module docstring); returns its address."""
+def set_loopback_env() -> None:
     for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
+
+
+def _start(temp_dir: str, num_cpus: int, env: Mapping[str, str]) -> Any:
+    set_loopback_env()
     import ray
 
     if ray.is_initialized():
         raise RuntimeError("this process is already connected to a Ray cluster")
-    temp_dir = os.path.join(scratch, "ray")
     os.makedirs(temp_dir, exist_ok=True)
     ray.init(
         _temp_dir=temp_dir,
@@ -38,11 +47,29 @@ def start_local_ray(scratch: str, num_cpus: int = 2) -> str:
         include_dashboard=False,
         num_cpus=num_cpus,
         log_to_driver=False,
-        runtime_env={"env_vars": {k: os.environ[k] for k in LOOPBACK_ENV}},
+        runtime_env={"env_vars": {**{k: os.environ[k] for k in LOOPBACK_ENV}, **env}},
     )
-    atexit.register(ray.shutdown)
     addresses = {node["NodeManagerAddress"] for node in ray.nodes()}
     if addresses != {"127.0.0.1"}:
         ray.shutdown()
         raise RuntimeError(f"Ray is not on loopback only: {sorted(addresses)}")
+    return ray
+
+
+@contextlib.contextmanager
+def local_ray(
+    temp_dir: str, num_cpus: int = 2, env: Mapping[str, str] | None = None
+) -> Iterator[Any]:
+    """The `ray` module, connected to a new loopback cluster; `env` reaches every worker."""
+    ray = _start(temp_dir, num_cpus, env or {})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def start_local_ray(scratch: str, num_cpus: int = 2) -> str:
+    """Start a loopback cluster (files under `scratch/ray`) until exit; returns its address."""
+    ray = _start(os.path.join(scratch, "ray"), num_cpus, {})
+    atexit.register(ray.shutdown)
     return str(ray.get_runtime_context().gcs_address)

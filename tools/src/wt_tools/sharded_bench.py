@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -45,7 +45,7 @@ class ShardedMLP(torch.nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, w in weights:
             _, i, kind = name.split(".")
-            block = self.blocks[int(i)]
+            block = cast(_Block, self.blocks[int(i)])
             if kind == "norm":
                 block.norm.data.copy_(w)
             elif kind == "up":
