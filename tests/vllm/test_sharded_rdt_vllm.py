@@ -1,10 +1,14 @@
-"""`wt_sharded_rdt` in live vLLM engines: two replicas, each an `LLM` in a Ray actor.
+"""`wt_sharded_rdt` in live vLLM engines over NIXL, on a local Ray cluster (127.0.0.1).
 
-The trainer (this process) hosts its producer as a Ray actor; each replica's
-worker records its model's slices once (a dry run of vLLM's own loaders) and
-then pulls them over NIXL every sync. Greedy tokens and logprobs must equal
-a fresh engine loaded from the target weights, on both replicas; a sync that
-fails mid-way leaves both serving the previous weights, and the next works.
+- Two replicas, each an `LLM` in a Ray actor. The trainer (this process)
+  hosts its producer as a Ray actor; each replica's worker records its
+  model's slices once (a dry run of vLLM's own loaders) and then pulls them
+  every sync. Greedy tokens and logprobs must equal a fresh engine loaded
+  from the target weights, on both replicas; a sync that fails mid-way
+  leaves both serving the previous weights, and the next works.
+- One engine with tensor parallelism 2 (vLLM's multiprocess executor; its
+  worker processes join the Ray cluster as drivers from the handshake's
+  address): each worker pulls about half of the model.
 """
 
 from __future__ import annotations
@@ -48,25 +52,30 @@ VLLM_ENV = {
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny_dirs: TinyDirs) -> Iterator[list[Any]]:
+def cluster() -> Iterator[Any]:
     require_backend("sharded_rdt")
+    with ray_cluster(num_cpus=4) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def replicas(cluster: Any, tiny_dirs: TinyDirs) -> Iterator[list[Any]]:
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
-    with ray_cluster(num_cpus=4) as cluster:
-        actor_cls = cluster.remote(num_cpus=1, runtime_env={"env_vars": VLLM_ENV})(LLM)
-        actors = [
-            actor_cls.remote(
-                model=tiny_dirs[INITIAL_SEED],
-                weight_transfer_config=WeightTransferConfig(backend="wt_sharded_rdt"),
-                **LLM_KWARGS,
-            )
-            for _ in range(REPLICAS)
-        ]
-        cluster.get([a.get_weight_version.remote() for a in actors], timeout=240)
-        yield actors
-        for actor in actors:
-            cluster.kill(actor)
+    actor_cls = cluster.remote(num_cpus=1, runtime_env={"env_vars": VLLM_ENV})(LLM)
+    actors = [
+        actor_cls.remote(
+            model=tiny_dirs[INITIAL_SEED],
+            weight_transfer_config=WeightTransferConfig(backend="wt_sharded_rdt"),
+            **LLM_KWARGS,
+        )
+        for _ in range(REPLICAS)
+    ]
+    cluster.get([a.get_weight_version.remote() for a in actors], timeout=240)
+    yield actors
+    for actor in actors:
+        cluster.kill(actor)
 
 
 def generate(actor: Any) -> Outputs:
@@ -140,3 +149,69 @@ def test_two_replicas_pull_over_nixl(replicas: list[Any], references: References
 
 def _pulled_bytes(worker: Any) -> int:
     return int(worker.weight_transfer_engine.pulled_bytes)
+
+
+def test_tensor_parallel_engine_workers_pull_their_halves(
+    cluster: Any, tiny_dirs: TinyDirs, references: References, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    from weight_transfer import LocalVLLMWeightSyncClient
+    from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo
+
+    import vllm.envs
+
+    # vLLM's CPU workers bind their threads per NUMA node; this machine has one: bind by hand
+    # (vLLM caches its environment once an engine is up: read it afresh)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    vllm.envs.disable_envs_cache()
+    kwargs = {**LLM_KWARGS, "distributed_executor_backend": "mp", "tensor_parallel_size": 2}
+    llm = LLM(
+        model=tiny_dirs[INITIAL_SEED],
+        weight_transfer_config=WeightTransferConfig(backend="wt_sharded_rdt"),
+        **kwargs,
+    )
+    try:
+        source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
+        info = ShardedRDTTrainerInitInfo(
+            rank=0,
+            num_consumers=2,
+            transport="nixl",
+            producer_prefix="wt-vllm-rdt-tp2",
+            timeout_s=120.0,
+            stall_timeout_s=60.0,
+            actor_env=LOOPBACK_ENV,
+        )
+        trainer = ShardedRDTTrainerEngine.trainer_init(
+            info, client=LocalVLLMWeightSyncClient(llm), source=source
+        )
+        try:
+            total = sum(m.nbytes for m in source.metadata())
+
+            def outputs() -> Outputs:
+                return outputs_of(llm.generate(PROMPTS, sampling_params(), use_tqdm=False))
+
+            before = outputs()
+            for seed in (2, 3):
+                source.inner = ModuleSource(hf_model(seed))
+                trainer.send_weights()
+                synced = outputs()
+                # the reference: this engine (same sharding, same kernels) loading the
+                # target checkpoint itself; a TP-1 engine's logprobs differ in the last bits
+                llm.collective_rpc(
+                    "reload_weights",
+                    kwargs={"weights_path": tiny_dirs[seed], "is_checkpoint_format": True},
+                )
+                assert synced == outputs(), f"seed {seed}: the sync differs from a reload"
+                assert [t for t, _ in synced] == [t for t, _ in references.outputs(seed)]
+                assert synced != before
+                before = synced
+                pulled = llm.collective_rpc(_pulled_bytes)
+                assert len(pulled) == 2
+                for worker, nbytes in enumerate(pulled):
+                    assert 0.4 * total < nbytes < 0.6 * total, f"worker {worker} pulled {nbytes}"
+        finally:
+            trainer.shutdown()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
