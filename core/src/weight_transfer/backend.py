@@ -9,7 +9,7 @@ Trainer side
     `TrainerInitInfo`, `TrainerWeightTransferEngine` (the spec's ABC, whose
     `open_round` drives a round), `ResyncTrainerEngine` (full resync: supply
     `transmit`), `Transfer`, `TrainerRound`, `RoundClient`, `AlignedFailure`,
-    `checked_iteration`, `track_sync` / `SyncTracker` (for rounds driven by
+    `checked_iteration`, `all_finite`, `track_sync` / `SyncTracker` (for rounds driven by
     hand), `trainer_device` (a trainer init info's default device).
 
 Worker side
@@ -107,6 +107,7 @@ from weight_transfer.slices import (
 from weight_transfer.source import (
     ParamMeta,
     WeightSource,
+    all_finite,
     checked_iteration,
     layer_key,
     layerwise_groups,
@@ -175,6 +176,7 @@ __all__ = [
     "WeightSource",
     "ParamMeta",
     "checked_iteration",
+    "all_finite",
     "layerwise_groups",
     "layer_key",
     "track_sync",

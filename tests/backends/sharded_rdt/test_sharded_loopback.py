@@ -22,7 +22,6 @@ from tests.backends.sharded_rdt.models import (
     held_part,
 )
 from tests.sources import DictSource
-from weight_transfer import ParamMeta
 from weight_transfer.backend import ABORT_FIELD, RoundAbortedError
 
 pytestmark = pytest.mark.timeout(120)
@@ -287,7 +286,54 @@ def test_update_from_another_trainer_is_refused(shards: Any) -> None:
     try:
         with pytest.raises(ValueError, match="replace_trainer=True"):
             s.trainer(HeldSource(checkpoint(1)), producer_prefix=s.prefix + "-b")
-        metas = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in checkpoint(1).items()]
-        assert metas == source.metadata()
+        source.tensors = checkpoint(2)
+        trainer.send_weights()  # the engine still serves the first trainer
+        s.assert_serving(2)
+        other = s.trainer(
+            HeldSource(checkpoint(3)), producer_prefix=s.prefix + "-c", replace_trainer=True
+        )
+        try:
+            other.send_weights()
+            s.assert_serving(3)
+            with pytest.raises(Exception, match="now serves trainer"):
+                trainer.send_weights()
+        finally:
+            other.shutdown()
+    finally:
+        trainer.shutdown()
+
+
+def test_expert_load_balancing_is_refused(shards: Any) -> None:
+    """EPLB moves experts at run time: a recorded plan would scatter into the wrong ones."""
+    from types import SimpleNamespace
+
+    from wt_sharded_rdt.worker import ShardedRDTWorkerEngine
+
+    s = shards(1)
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(rank=0, world_size=1, data_parallel_size=1, enable_eplb=True)
+    )
+    engine = ShardedRDTWorkerEngine(None, config, "cpu", s.models[0])
+    s.engines[0], s.sessions[0].engine = engine, engine
+    with pytest.raises(Exception, match="enable_eplb"):
+        s.trainer(HeldSource(checkpoint(1)))
+
+
+def test_non_finite_weights_are_refused_before_publishing(shards: Any) -> None:
+    s = shards(2)
+    source = HeldSource(checkpoint(1))
+    trainer = s.trainer(source)
+    try:
+        source.tensors = checkpoint(2)
+        trainer.send_weights()
+        bad = checkpoint(3)
+        bad["layers.1.o.weight"][0, 0] = float("nan")
+        source.tensors = bad
+        with pytest.raises(ValueError, match=r"non-finite values .* 'layers\.1\.o\.weight'"):
+            trainer.send_weights()
+        s.assert_serving(2)
+        trainer.check_finite = False
+        trainer.send_weights()
+        assert torch.isnan(s.models[0].layers[1].o.weight).any()
     finally:
         trainer.shutdown()

@@ -41,6 +41,7 @@ from weight_transfer.backend import (
     VLLMWeightSyncClient,
     WeightSource,
     aligned_layout,
+    all_finite,
     check_int_range,
     check_timeout,
     in_background,
@@ -170,6 +171,7 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
             gi for gi, names in enumerate(self.groups) if any(n in self.held for n in names)
         ]
         self.sync_id = 0
+        self.check_finite = True  # refuse NaN / infinity before they are published
         self.namespace, self.ray_address = info.namespace, None
         if info.transport == "nixl":
             self.namespace, self.ray_address = ray_location(info.namespace)
@@ -416,6 +418,11 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                 raise ValueError(
                     f"{name!r} disagrees with metadata: the source yielded {tensor.dtype} "
                     f"{list(tensor.shape)}, metadata() says {meta.dtype} {list(meta.shape)}"
+                )
+            if self.check_finite and not all_finite(tensor):
+                raise ValueError(
+                    f"WeightSource yielded non-finite values (NaN or infinity) in {name!r}; "
+                    "set check_finite = False on the engine to send them anyway"
                 )
             batch[name] = tensor.detach()
         return batch

@@ -1,6 +1,7 @@
 """Worker (consumer) side of `sharded_rdt`: pull only the slices this worker keeps.
 
-`init_transfer_engine`: compute the consumer id, find every producer, run
+`init_transfer_engine`: refuse expert-parallel load balancing (it moves
+experts at run time), compute the consumer id, find every producer, run
 the model's loading code once as a dry run over recording tensors (core's
 `record_slices` through the loader's `dry_run`: an op outside the allowlist
 fails here, naming the weight and the op), cut the result into a static plan
@@ -129,6 +130,11 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
         """Find the producers, record the slices, plan, reserve (module docstring)."""
         self.channel.admit(init_info.trainer_id, replace=init_info.replace)
         self.channel.drop("the last init_weight_transfer_engine failed")
+        if getattr(self.parallel_config, "enable_eplb", False):
+            raise RuntimeError(
+                "sharded_rdt: expert-parallel load balancing (enable_eplb) moves experts between "
+                "workers at run time, so the slices recorded at init would land in the wrong experts"
+            )
         index = self.position.global_index
         if index >= init_info.workers_per_replica:
             raise ValueError(
