@@ -154,13 +154,12 @@ def _pulled_bytes(worker: Any) -> int:
 def test_tensor_parallel_engine_workers_pull_their_halves(
     cluster: Any, tiny_dirs: TinyDirs, references: References, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import vllm.envs
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
     from weight_transfer import LocalVLLMWeightSyncClient
     from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo
-
-    import vllm.envs
 
     # vLLM's CPU workers bind their threads per NUMA node; this machine has one: bind by hand
     # (vLLM caches its environment once an engine is up: read it afresh)

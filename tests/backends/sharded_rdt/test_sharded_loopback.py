@@ -311,7 +311,9 @@ def test_expert_load_balancing_is_refused(shards: Any) -> None:
 
     s = shards(1)
     config = SimpleNamespace(
-        parallel_config=SimpleNamespace(rank=0, world_size=1, data_parallel_size=1, enable_eplb=True)
+        parallel_config=SimpleNamespace(
+            rank=0, world_size=1, data_parallel_size=1, enable_eplb=True
+        )
     )
     engine = ShardedRDTWorkerEngine(None, config, "cpu", s.models[0])
     s.engines[0], s.sessions[0].engine = engine, engine
