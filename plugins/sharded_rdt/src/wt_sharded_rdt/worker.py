@@ -132,8 +132,9 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
         self.channel.drop("the last init_weight_transfer_engine failed")
         if getattr(self.parallel_config, "enable_eplb", False):
             raise RuntimeError(
-                "sharded_rdt: expert-parallel load balancing (enable_eplb) moves experts between "
-                "workers at run time, so the slices recorded at init would land in the wrong experts"
+                "sharded_rdt: expert-parallel load balancing (enable_eplb) moves experts "
+                "between workers at run time, so the slices recorded at init would land in "
+                "the wrong experts"
             )
         index = self.position.global_index
         if index >= init_info.workers_per_replica:
