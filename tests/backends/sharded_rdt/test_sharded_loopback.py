@@ -339,3 +339,48 @@ def test_non_finite_weights_are_refused_before_publishing(shards: Any) -> None:
         assert torch.isnan(s.models[0].layers[1].o.weight).any()
     finally:
         trainer.shutdown()
+
+
+class PlainModel(torch.nn.Module):
+    """No `load_weights`: copied by name, including an empty parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 3)
+        self.empty = torch.nn.Parameter(torch.zeros(0, 5))
+        self.ints = torch.nn.Parameter(torch.zeros(7, dtype=torch.int32), requires_grad=False)
+
+
+def plain_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a.weight": torch.randn(3, 4, generator=g),
+        "a.bias": torch.randn(3, generator=g),
+        "empty": torch.zeros(0, 5),
+        "ints": torch.randint(-9, 9, (7,), generator=g, dtype=torch.int32),
+    }
+
+
+def test_a_plain_module_with_an_empty_parameter(shards: Any) -> None:
+    """Copy-by-name loading, a zero-element slice and an odd-sized int slice share one pull."""
+    from weight_transfer import WorkerPosition, WorkerSession
+    from wt_sharded_rdt.worker import ShardedRDTWorkerEngine
+
+    s = shards(1)
+    model = PlainModel()
+    engine = ShardedRDTWorkerEngine(None, WorkerPosition(), "cpu", model)
+    s.engines[0], s.sessions[0] = engine, WorkerSession(engine)
+    s.replicas[0].sessions[0] = s.sessions[0]
+    source = HeldSource(plain_tensors(1))
+    trainer = s.trainer(source)
+    try:
+        for seed in (2, 3):
+            source.tensors = plain_tensors(seed)
+            trainer.send_weights()
+            for name, want in source.tensors.items():
+                assert torch.equal(model.get_parameter(name), want), name
+        assert engine.plan is not None
+        (chunk,) = [c for c in engine.plan.chunks if ("empty", ()) in c.keys]
+        assert chunk.numels[chunk.keys.index(("empty", ()))] == 0
+    finally:
+        trainer.shutdown()
