@@ -48,6 +48,7 @@ TEST_DEPS = [
     NIXL,
     "numpy",
     "hatchling>=1.21",
+    "matplotlib",  # the bench's plots (its smoke test runs here)
 ]
 
 
@@ -136,5 +137,5 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Sync speed against vLLM's own load from memory and against save-and-reload."""
     install_stack(session)
-    session.install(RAY, NIXL)
+    session.install(RAY, NIXL, "matplotlib")
     session.run("wt", "bench", *session.posargs)

@@ -128,10 +128,14 @@ class DirectLoader:
     (a fresh copy per round costs more in page faults than in copying); their
     cost is one copy of the parameters, kept while the model lives.
     Parameters keep their storage: loads and restores are in place.
+
+    `undo=False` keeps no undo copy (a benchmark pricing the transport alone,
+    or a caller that accepts it): `abort()` then leaves what was loaded.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, undo: bool = True) -> None:
         self.model = model
+        self.undo = undo
         self._saved: set[str] | None = None  # names set aside this round
 
     def _undo_store(self) -> dict[str, torch.Tensor]:
@@ -139,6 +143,8 @@ class DirectLoader:
 
     def _set_aside(self, name: str, param: torch.Tensor) -> None:
         assert self._saved is not None
+        if not self.undo:
+            return
         store = self._undo_store()
         saved = store.get(name)
         if saved is None or saved.shape != param.shape or saved.dtype != param.dtype:
@@ -155,7 +161,7 @@ class DirectLoader:
                 "parameters: DirectLoader cannot load weights into it"
             )
         self._saved = set()
-        if own_loader:
+        if own_loader and self.undo:
             with torch.no_grad():
                 for name, param in params.items():
                     self._set_aside(name, param)

@@ -54,6 +54,7 @@ set_loopback_env()  # before anything imports Ray (vLLM does)
 
 import torch  # noqa: E402
 
+from wt_tools.local_ray import start_local_ray  # noqa: E402
 from wt_tools.tiny_model import TinyLlamaSpec, build_tiny_llama, tiny_llama  # noqa: E402
 
 
@@ -64,14 +65,8 @@ def _greedy(llm: Any, prompt: str) -> list[int]:
     return list(out[0].outputs[0].token_ids)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="wt bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=16, help="decoder layers (16 = ~1 GiB)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="bench-results/bench.json")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-
+def live(layers: int, repeats: int, work: str) -> dict[str, Any]:
+    """The live-engine blocks (see the module docstring); every figure in a dict."""
     from safetensors.torch import save_file
     from vllm import LLM
     from vllm.config import WeightTransferConfig
@@ -82,16 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     from wt_ipc import IPCTrainerInitInfo
     from wt_nccl import NCCLTrainerInitInfo
     from wt_sharded_rdt import ShardedRDTTrainerInitInfo
-    from wt_tools.local_ray import start_local_ray
     from wt_tools.sharded_bench import measure
 
-    spec = TinyLlamaSpec.large(num_hidden_layers=args.layers)
-    work = tempfile.mkdtemp(prefix="wt-bench-")
-    atexit.register(shutil.rmtree, work, True)  # the checkpoints are scratch
+    spec = TinyLlamaSpec.large(num_hidden_layers=layers)
     served_dir = build_tiny_llama(os.path.join(work, "served"), seed=0, spec=spec)
     targets = [tiny_llama(spec, seed=s) for s in (1, 2)]
     nbytes = sum(p.numel() * p.element_size() for p in targets[0].parameters())
-    print(f"model: {args.layers} layers, {nbytes / 2**30:.2f} GiB float32; repeats {args.repeats}")
+    print(f"live engines: {layers} layers, {nbytes / 2**30:.2f} GiB float32; repeats {repeats}")
 
     cuda = torch.cuda.is_available()
     extra: dict[str, Any] = {} if cuda else {"kv_cache_memory_bytes": 256 << 20}
@@ -107,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         for backend in ("nccl", "ipc", "sharded_rdt")
     }
-    start_local_ray(work)
     clients = {backend: LocalVLLMWeightSyncClient(llm) for backend, llm in llms.items()}
     sources = [ModuleSource(m) for m in targets]
     device = "cuda" if cuda else "cpu"
@@ -222,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, prepare in block.items():  # warm-up: first touches, allocator growth
             floor_of[name] = block_floor
             prepare(1)()
-        for r in range(args.repeats):
+        for r in range(repeats):
             for name, prepare in block.items():
                 run = prepare(r % 2)
                 t0 = time.perf_counter()
@@ -230,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 times.setdefault(name, []).append(time.perf_counter() - t0)
 
     # Correctness: what each engine serves now equals a sync of the same target.
-    last = (args.repeats - 1) % 2
+    last = (repeats - 1) % 2
     prompt = "w1 w2 w3 w4"
     for backend, llm in llms.items():
         floor(backend)(last)()
@@ -238,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         sync_with(backend, {})(1 - last)()
         sync_with(backend, {})(last)()
         if _greedy(llm, prompt) != after_reload:
-            print(f"MISMATCH: tokens after wt_{backend} differ from tokens after vLLM's reload")
-            return 1
+            raise RuntimeError(f"tokens after wt_{backend} differ from tokens after vLLM's reload")
 
     pulled = llms["sharded_rdt"].collective_rpc(_pulled_bytes)[0]
     rows = []
@@ -261,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<34} {med:9.3f} {nbytes / 1e9 / med:7.2f} {med / base:8.2f} {moved}")
     for _, engine in connected.values():
         engine.shutdown()
-    sharded = [measure(tp, repeats=args.repeats) for tp in (1, 2, 4)]
+    sharded = [measure(tp, layers=2 if layers <= 2 else 8, repeats=repeats) for tp in (1, 2, 4)]
     print("\nsharded_rdt, tensor-parallel engines (sharded MLP stack, loopback transport):")
     print(f"{'workers':>7} {'model MB':>9} {'MB per worker':>14} {'share':>6} {'sync s':>7}")
     for row in sharded:
@@ -270,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['tp']:>7} {row['model_bytes'] / 1e6:9.1f} {per / 1e6:14.1f} "
             f"{per / row['model_bytes']:6.2f} {row['seconds']:7.3f}"
         )
-    transport = _in_fresh_process(_ipc_transport, spec, args.repeats)
+    transport = _in_fresh_process(_ipc_transport, spec, repeats)
     print()
     for line in transport.pop("lines"):
         print(line)
@@ -292,19 +282,67 @@ def main(argv: list[str] | None = None) -> int:
         f"{statistics.median(times['wt_ipc packed, staging ~ model']) / staged_floor:.2f}x "
         "the floor"
     )
-    result = {
+    return {
         "bytes": nbytes,
-        "layers": args.layers,
-        "repeats": args.repeats,
+        "layers": layers,
+        "repeats": repeats,
         "rows": rows,
         "ipc": {"ratio_to_floor": ipc_ratio, "speedup_over_save_reload": speedup, **transport},
         "bytes_per_worker": {"nccl": nbytes, "ipc": nbytes, "sharded_rdt": pulled},
         "sharded_rdt_tp": sharded,
     }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"\nwritten: {args.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="wt bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small scenarios, one round (CI)")
+    parser.add_argument("--layers", type=int, default=None, help="live model layers (16 = 1 GiB)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 3)")
+    parser.add_argument("--out", default="bench-results", help="folder for JSON, Markdown, PNG")
+    parser.add_argument("--no-live", action="store_true", help="transport scenarios only")
+    parser.add_argument(
+        "--model-cluster",
+        action="store_true",
+        help="only the cost model's cluster predictions, calibrated from OUT/bench.json",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    from wt_tools import cost_model, report
+    from wt_tools.scenarios import run_scenario, scenarios_for
+
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, "bench.json")
+    if args.model_cluster:
+        calibration = cost_model.calibrate(report.load(json_path))
+        print(report.cluster_table(cost_model.predict(calibration), calibration))
+        return 0
+    repeats = args.repeats or (1 if args.quick else 3)
+    layers = args.layers or (2 if args.quick else 16)
+    work = tempfile.mkdtemp(prefix="wt-bench-")
+    atexit.register(shutil.rmtree, work, True)  # the checkpoints are scratch
+    start_local_ray(work)
+    results: dict[str, Any] = {"quick": args.quick, "repeats": repeats, "scenarios": []}
+    chosen = scenarios_for(args.quick, repeats)
+    for i, sc in enumerate(chosen, start=1):
+        print(
+            f"[{i}/{len(chosen)}] {sc.name}: {sc.nbytes / 2**20:.0f} MiB, {len(sc.layout)} tensors"
+        )
+        results["scenarios"].append(run_scenario(sc, log=lambda m: print(m, flush=True)))
+    results["live"] = None if args.no_live else live(layers, repeats, work)
+    calibration = cost_model.calibrate(results)
+    results["cost_model"] = {
+        "calibration": calibration,
+        "predictions": cost_model.predict(calibration),
+    }
+    results["targets"] = report.targets(results)
+    with open(json_path, "w") as f:
+        json.dump(results, f, indent=2)
+    markdown = report.markdown(results)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(markdown)
+    plots = report.plots(results, args.out)
+    print("\n" + markdown)
+    print(f"written: {json_path}, {os.path.join(args.out, 'bench.md')}, " + ", ".join(plots))
     return 0
 
 
@@ -334,31 +372,6 @@ def _in_fresh_process(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str
         return pool.apply(fn, args)
 
 
-class _CopyInPlace:
-    """A loader without undo: copies each tensor into the parameter of its name.
-
-    Prices the transport alone, next to `DirectLoader`, which also sets each
-    parameter aside before overwriting it (one more copy).
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.params = dict(model.named_parameters())
-
-    def begin(self) -> None:
-        pass
-
-    def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for name, tensor in weights:
-                self.params[name].copy_(tensor)
-
-    def commit(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-
 def _ipc_transport(spec: TinyLlamaSpec, repeats: int) -> dict[str, Any]:
     """The ipc transport alone: a trainer and a plain-module worker in one process.
 
@@ -378,13 +391,15 @@ def _ipc_transport(spec: TinyLlamaSpec, repeats: int) -> dict[str, Any]:
         WorkerSession,
     )
     from weight_transfer.factory import WeightTransferTrainerFactory
-    from weight_transfer.loading import register_loader_provider
+    from weight_transfer.loading import DirectLoader, register_loader_provider
     from wt_ipc import IPCTrainerInitInfo
 
     targets = [tiny_llama(spec, seed=s) for s in (1, 2)]
     sources = [ModuleSource(m) for m in targets]
     plain, bare = tiny_llama(spec, seed=3), tiny_llama(spec, seed=4)
-    register_loader_provider(lambda model, _: _CopyInPlace(model) if model is bare else None)
+    register_loader_provider(
+        lambda model, _: DirectLoader(model, undo=False) if model is bare else None
+    )
 
     def connect(model: torch.nn.Module) -> tuple[Any, Any]:
         worker = WeightTransferEngineFactory.create_engine(

@@ -1,0 +1,68 @@
+"""`wt bench --quick`: the CI smoke run of the benchmark (every figure produced, not how fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
+
+MODES = {
+    "nccl packed",
+    "nccl unpacked",
+    "ipc packed",
+    "sharded_rdt",
+    "sparse_nccl 1%",
+    "sparse_nccl 10%",
+}
+
+
+def test_quick_bench_produces_every_figure(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    pytest.importorskip("nixl")
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "wt_tools.bench", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=dict(os.environ),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "bench.json").read_text())
+    scenarios = results["scenarios"]
+    assert {m["mode"] for m in scenarios[0]["modes"]} == MODES
+    assert any(s["workers"] > 1 for s in scenarios)
+    assert any(s["scenario"].startswith("MoE") for s in scenarios)
+    for s in scenarios:
+        refs = s["references"]
+        assert refs["memcpy_s"] > 0 and refs["bare_broadcast_s"] > 0
+        assert refs["trainer_overhead_per_param_us"] >= 0
+        for m in s["modes"]:
+            assert m["median_s"] > 0 and m["gb_per_s"] > 0, (s["scenario"], m["mode"])
+            assert m["x_memcpy"] > 0 and m["x_bare_broadcast"] > 0
+            assert m["bytes_per_worker"] > 0
+            assert m["peak_extra_trainer_bytes"] >= 0 and m["peak_extra_worker_bytes"] >= 0
+        sparse = {m["mode"]: m["bytes_per_worker"] for m in s["modes"] if "sparse" in m["mode"]}
+        if sparse:  # 1% of the tensors' elements moves fewer bytes than 10%
+            assert sparse["sparse_nccl 1%"] < sparse["sparse_nccl 10%"] < s["bytes"]
+    live = results["live"]
+    methods = {r["method"] for r in live["rows"]}
+    assert {"floor: vLLM reload from memory", "wt_nccl packed", "save + reload_weights"} <= methods
+    assert {"wt_ipc packed", "wt_sharded_rdt (nixl)"} <= methods
+    shares = [max(t["bytes_per_worker"]) / t["model_bytes"] for t in live["sharded_rdt_tp"]]
+    assert shares[0] == 1.0 and 0.45 < shares[1] < 0.55 and 0.2 < shares[2] < 0.3
+    targets = results["targets"]
+    assert len(targets) >= 8 and all(t["value"] is not None for t in targets), targets
+    predictions = results["cost_model"]["predictions"]
+    assert len(predictions) == 3 and all(p["predicted_s"] > 0 for p in predictions)
+    summary = (out / "bench.md").read_text()
+    assert "## Targets" in summary and "## Cost model" in summary
+    for png in ("time_vs_size.png", "time_vs_params.png", "scenario_0.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,281 @@
+"""The benchmark's outputs: targets met or missed, a Markdown summary, PNG plots.
+
+`targets(results)` checks each goal against the figures of the same run and
+says by how much it is met or missed; `markdown(results)` is the summary the
+README shows; `plots(results, folder)` writes `time_vs_size.png`,
+`time_vs_params.png` and one bar chart per scenario against its references
+(matplotlib; skipped, and said, when it is not installed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+__all__ = ["targets", "markdown", "plots", "load", "cluster_table"]
+
+
+def load(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return dict(json.load(f))
+
+
+def _mode(scenario: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((m for m in scenario["modes"] if m["mode"] == name), None)
+
+
+def _scenario(
+    results: dict[str, Any], prefix: str, key: str = "bytes", mode: str | None = None
+) -> dict[str, Any] | None:
+    """The largest (by `key`) scenario named `prefix`..., among those that ran `mode`."""
+    found = [
+        s
+        for s in results["scenarios"]
+        if s["scenario"].startswith(prefix) and (mode is None or _mode(s, mode) is not None)
+    ]
+    return max(found, key=lambda s: s[key]) if found else None
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each goal: the figure, the goal, met or not (`None` when the run lacks the figure)."""
+    out: list[dict[str, Any]] = []
+
+    def add(
+        goal: str, value: float | None, limit: float, higher_is_better: bool, unit: str
+    ) -> None:
+        met = None if value is None else (value >= limit if higher_is_better else value <= limit)
+        out.append(
+            {
+                "goal": goal,
+                "value": value,
+                "limit": limit,
+                "met": met,
+                "unit": unit,
+                "higher_is_better": higher_is_better,
+            }
+        )
+
+    dense = _scenario(results, "dense") or {}
+    packed = _mode(dense, "nccl packed") if dense else None
+    add(
+        f"nccl packed vs the bare broadcast ({dense.get('scenario', 'dense')}, plain target)",
+        dense["references"]["bare_broadcast_s"] / packed["median_s"] if packed else None,
+        0.90,
+        True,
+        "of the ceiling",
+    )
+    moe = _scenario(results, "MoE", mode="nccl unpacked") or {}
+    moe_packed = _mode(moe, "nccl packed") if moe else None
+    moe_unpacked = _mode(moe, "nccl unpacked") if moe else None
+    add(
+        f"nccl packed faster than unpacked ({moe.get('scenario', 'MoE-like')})",
+        moe_unpacked["median_s"] / moe_packed["median_s"] if moe_packed and moe_unpacked else None,
+        3.0,
+        True,
+        "x",
+    )
+    many = _scenario(results, "MoE", key="params") or {}
+    add(
+        f"trainer-side overhead per parameter ({many.get('scenario', 'MoE-like')})",
+        many["references"]["trainer_overhead_per_param_us"] if many else None,
+        5.0,
+        False,
+        "us",
+    )
+    live = results.get("live")
+    rows = {r["method"]: r for r in live["rows"]} if live else {}
+
+    def ratio(name: str) -> float | None:
+        return rows[name]["ratio_to_floor"] if name in rows else None
+
+    def faster(name: str, disk: str) -> float | None:
+        if name not in rows or disk not in rows:
+            return None
+        return float(rows[disk]["median_s"] / rows[name]["median_s"])
+
+    add(
+        "live vLLM: nccl packed vs its reload from memory",
+        ratio("wt_nccl packed"),
+        1.3,
+        False,
+        "x floor",
+    )
+    add(
+        "live vLLM: ipc packed vs its reload from memory",
+        ratio("wt_ipc packed"),
+        1.15,
+        False,
+        "x floor",
+    )
+    add(
+        "live vLLM: nccl packed faster than save + reload",
+        faster("wt_nccl packed", "save + reload_weights"),
+        2.5,
+        True,
+        "x",
+    )
+    add(
+        "live vLLM: ipc packed faster than save + reload",
+        faster("wt_ipc packed", "save + reload (ipc engine)"),
+        2.5,
+        True,
+        "x",
+    )
+    worst = None
+    for s in results["scenarios"]:
+        for m in s["modes"]:
+            if m["staging_bytes"]:
+                extra = max(m["peak_extra_trainer_bytes"], m["peak_extra_worker_bytes"])
+                share = extra / m["staging_bytes"]
+                worst = share if worst is None else max(worst, share)
+    add("peak extra memory per side vs its configured staging", worst, 1.10, False, "of staging")
+    return out
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    if unit in ("of the ceiling", "of staging"):
+        return f"{value:.0%}"
+    return f"{value:.2f} {unit}".strip()
+
+
+def cluster_table(predictions: list[dict[str, Any]], calibration: dict[str, float]) -> str:
+    lines = [
+        "| setup | our backend | published s | predicted s | x published | wire s | load s "
+        "| per-tensor s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in predictions:
+        low, high = p["published_s"]
+        published = f"{low:g}" if low == high else f"{low:g}-{high:g}"
+        backend = "wt_nccl (broadcast)" if p["backend"] == "broadcast" else "wt_sharded_rdt (pull)"
+        lines.append(
+            f"| {p['name']} ({p['source']}) | {backend} | {published} | {p['predicted_s']:.2f} "
+            f"| {p['ratio_to_published']:.2f} | {p['parts']['wire_s']:.2f} | "
+            f"{p['parts']['load_s']:.2f} | {p['parts']['trainer_per_tensor_s']:.2f} |"
+        )
+    lines.append("")
+    lines.append(
+        "Calibration from this machine: "
+        + ", ".join(f"{k} = {v:.3g}" for k, v in sorted(calibration.items()))
+    )
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    out = [f"# wt bench{' (quick)' if results.get('quick') else ''}", ""]
+    out.append("## Transport alone: plain targets in worker processes")
+    out.append("")
+    out.append(
+        "| scenario | mode | s | GB/s | x memcpy | x bare broadcast | MB/worker | "
+        "peak extra MB (trainer / worker) |"
+    )
+    out.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for s in results["scenarios"]:
+        ref = s["references"]
+        out.append(
+            f"| {s['scenario']} | memcpy / bare broadcast | {ref['memcpy_s']:.3f} / "
+            f"{ref['bare_broadcast_s']:.3f} | | 1 | | | |"
+        )
+        for m in s["modes"]:
+            out.append(
+                f"| | {m['mode']} | {m['median_s']:.3f} | {m['gb_per_s']:.2f} | "
+                f"{m['x_memcpy']:.1f} | {m['x_bare_broadcast']:.2f} | "
+                f"{m['bytes_per_worker'] / 1e6:.1f} | {m['peak_extra_trainer_bytes'] / 1e6:.0f} / "
+                f"{m['peak_extra_worker_bytes'] / 1e6:.0f} |"
+            )
+        out.append(
+            f"| | trainer overhead per parameter | {ref['trainer_overhead_per_param_us']:.1f} us "
+            f"({s['params']} params) | | | | | |"
+        )
+    live = results.get("live")
+    if live:
+        out += ["", f"## Live vLLM ({live['bytes'] / 2**30:.2f} GiB, in-process)", ""]
+        out.append("| path | s | x its floor | MB/worker |")
+        out.append("| --- | --- | --- | --- |")
+        for r in live["rows"]:
+            per = r.get("bytes_per_worker")
+            moved = f"{per / 1e6:.0f}" if per else ""
+            out.append(
+                f"| {r['method']} | {r['median_s']:.3f} | {r['ratio_to_floor']:.2f} | {moved} |"
+            )
+        out += ["", "sharded_rdt bytes per worker, tensor-parallel engines:", ""]
+        for t in live["sharded_rdt_tp"]:
+            per = max(t["bytes_per_worker"])
+            out.append(
+                f"- {t['tp']} workers: {per / 1e6:.1f} MB each of {t['model_bytes'] / 1e6:.1f} MB "
+                f"({per / t['model_bytes']:.2f})"
+            )
+    out += ["", "## Targets", "", "| goal | measured | target | met |", "| --- | --- | --- | --- |"]
+    for t in results.get("targets", []):
+        limit = _fmt(t["limit"], t["unit"])
+        sign = ">=" if t["higher_is_better"] else "<="
+        met = {True: "yes", False: "no", None: "n/a"}[t["met"]]
+        out.append(f"| {t['goal']} | {_fmt(t['value'], t['unit'])} | {sign} {limit} | {met} |")
+    model = results.get("cost_model")
+    if model:
+        out += ["", "## Cost model (`wt bench --model-cluster`)", ""]
+        out.append(cluster_table(model["predictions"], model["calibration"]))
+    return "\n".join(out) + "\n"
+
+
+def plots(results: dict[str, Any], folder: str) -> list[str]:
+    """Write the PNG plots; their paths (none, said on stdout, without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots")
+        return []
+    written: list[str] = []
+    one_worker = [s for s in results["scenarios"] if s["workers"] == 1]
+
+    def line_plot(key: str, xlabel: str, name: str, scenarios: list[dict[str, Any]]) -> None:
+        if not scenarios:
+            return
+        scenarios = sorted(scenarios, key=lambda s: s[key])
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        modes = sorted({m["mode"] for s in scenarios for m in s["modes"]})
+        for mode in modes:
+            pts = [
+                (s[key], m["median_s"]) for s in scenarios for m in s["modes"] if m["mode"] == mode
+            ]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        for ref, style in (("bare_broadcast_s", "k--"), ("memcpy_s", "k:")):
+            ax.plot([s[key] for s in scenarios], [s["references"][ref] for s in scenarios], style,
+                    label=ref.removesuffix("_s").replace("_", " "))  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("seconds per sync (median)")
+        ax.legend(fontsize=7)
+        ax.grid(True, which="both", alpha=0.3)
+        path = os.path.join(folder, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    line_plot("bytes", "model bytes", "time_vs_size.png",
+              [s for s in one_worker if s["scenario"].startswith("dense")])  # fmt: skip
+    line_plot("params", "parameters (tensors)", "time_vs_params.png", one_worker)
+    for i, s in enumerate(results["scenarios"]):
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        names = ["memcpy", "bare broadcast", *(m["mode"] for m in s["modes"])]
+        values = [s["references"]["memcpy_s"], s["references"]["bare_broadcast_s"],
+                  *(m["median_s"] for m in s["modes"])]  # fmt: skip
+        ax.barh(names, values, color=["grey", "grey", *["tab:blue"] * len(s["modes"])])
+        ax.set_xlabel("seconds per sync (median)")
+        ax.set_title(s["scenario"], fontsize=9)
+        fig.tight_layout()
+        path = os.path.join(folder, f"scenario_{i}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
