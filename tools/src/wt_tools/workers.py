@@ -64,8 +64,8 @@ def reset_peak_rss() -> int:
     return _status_kib("VmRSS") * 1024
 
 
-def build_target(layout: Sequence[LayoutEntry]) -> torch.nn.Module:
-    """A module with one zero parameter per layout entry, under its dotted name."""
+def build_target(layout: Sequence[LayoutEntry], device: str = "cpu") -> torch.nn.Module:
+    """A module with one zero parameter per layout entry (on `device`), under its dotted name."""
     from weight_transfer.backend import dtype_from_name
 
     root = torch.nn.Module()
@@ -78,12 +78,14 @@ def build_target(layout: Sequence[LayoutEntry]) -> torch.nn.Module:
                 child = torch.nn.Module()
                 module.add_module(part, child)
             module = child
-        tensor = torch.zeros(shape, dtype=dtype_from_name(dtype, field="layout"))
+        tensor = torch.zeros(shape, dtype=dtype_from_name(dtype, field="layout"), device=device)
         module.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
     return root
 
 
-def _serve(layout: list[LayoutEntry], rank: int, n: int, env: dict[str, str], ready: Any) -> None:
+def _serve(
+    layout: list[LayoutEntry], rank: int, n: int, env: dict[str, str], device: str, ready: Any
+) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
     from weight_transfer import (
@@ -95,14 +97,14 @@ def _serve(layout: list[LayoutEntry], rank: int, n: int, env: dict[str, str], re
     from weight_transfer.backend import DirectLoader, StatelessGroup
     from weight_transfer.loading import register_loader_provider
 
-    model = build_target(layout)
+    model = build_target(layout, device)
     register_loader_provider(lambda m, _: DirectLoader(m, undo=False) if m is model else None)
     sessions: dict[str, WorkerSession] = {}
 
     def session(backend: str, key: str) -> WorkerSession:
         if key not in sessions:
             engine = WeightTransferEngineFactory.create_engine(
-                WeightTransferConfig(backend), WorkerPosition(rank, n), "cpu", model
+                WeightTransferConfig(backend), WorkerPosition(rank, n), device, model
             )
             sessions[key] = WorkerSession(engine)
         return sessions[key]
@@ -176,12 +178,18 @@ class WorkerProcesses:
     """See the module docstring; use as a context manager."""
 
     def __init__(
-        self, layout: Sequence[LayoutEntry], n: int, env: dict[str, str] | None = None
+        self,
+        layout: Sequence[LayoutEntry],
+        n: int,
+        env: dict[str, str] | None = None,
+        device: str = "cpu",
     ) -> None:
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
         self.processes = [
-            ctx.Process(target=_serve, args=(list(layout), r, n, env or {}, ready), daemon=True)
+            ctx.Process(
+                target=_serve, args=(list(layout), r, n, env or {}, device, ready), daemon=True
+            )
             for r in range(n)
         ]
         for p in self.processes:
