@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from weight_transfer import ParamMeta, WeightSource
+from weight_transfer.backend import RotatingBuffers
 from wt_tools.workers import LayoutEntry, WorkerProcesses, checksum, peak_rss_bytes, reset_peak_rss
 
 __all__ = ["Scenario", "dense_layout", "moe_layout", "run_scenario", "scenarios_for"]
@@ -169,22 +170,17 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _trainer_dry_pass(source: WeightSource) -> None:
-    """What the nccl trainer does per round without the wire: checked iteration + packing."""
-    from weight_transfer.backend import Packer, RotatingBuffers, WireParams, checked_iteration
+def _trainer_dry_pass(source: WeightSource, buffers: Any) -> None:
+    """What the nccl trainer does per round without the wire: checked iteration + packing
+    into `buffers` (a `RotatingBuffers` reused round after round, as the engine's are)."""
+    from weight_transfer.backend import Packer, WireParams, checked_iteration
 
     metas = source.metadata()
     plan = WireParams().packed_plan(metas)
-    buffers = _DRY_BUFFERS.setdefault(
-        id(source), RotatingBuffers(2, "cpu")
-    )  # reused, as the engine's are
     packer = Packer(checked_iteration(metas, source, finite=True))
     for k, bucket in enumerate(plan.buckets):
         packer.pack(bucket, buffers.get(k % 2, bucket.nbytes))
     packer.exhaust()
-
-
-_DRY_BUFFERS: dict[int, Any] = {}
 
 
 def _connect(mode: str, workers: WorkerProcesses, n: int, source: WeightSource) -> tuple[Any, int]:
@@ -283,6 +279,7 @@ def run_scenario(sc: Scenario, log: Callable[[str], None] = print) -> dict[str, 
     nbytes = sc.nbytes
     flat = [t for t in targets[0].values()]
     copies = [torch.empty_like(t) for t in flat]
+    dry_buffers = RotatingBuffers(2, "cpu")
 
     def memcpy() -> None:
         threads = torch.get_num_threads()
@@ -312,7 +309,9 @@ def run_scenario(sc: Scenario, log: Callable[[str], None] = print) -> dict[str, 
             flat[:] = list(source.tensors.values())
             refs["memcpy"].append(_timed(memcpy))
             refs["bare broadcast"].append(_timed(bare))
-            refs["trainer dry pass"].append(_timed(functools.partial(_trainer_dry_pass, source)))
+            refs["trainer dry pass"].append(
+                _timed(functools.partial(_trainer_dry_pass, source, dry_buffers))
+            )
             for mode in modes:
                 base_trainer = reset_peak_rss()
                 base_workers = workers.call("reset_peak")
