@@ -46,11 +46,11 @@ def _median(fn: Callable[[], Any], repeats: int) -> float:
 def _layout_case(name: str, layout: Any, repeats: int) -> dict[str, Any]:
     from weight_transfer.backend import Packer, RotatingBuffers, WireParams, checked_iteration
     from weight_transfer.factory import WeightTransferTrainerFactory
-    from wt_tools.scenarios import _random_tensors, _Tensors
+    from wt_tools.scenarios import TensorSource, _random_tensors
     from wt_tools.workers import WorkerProcesses, checksum
 
     tensors = {n: t.cuda() for n, t in _random_tensors(layout, 1).items()}
-    source = _Tensors(tensors)
+    source = TensorSource(tensors)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     flat = list(tensors.values())
     copies = [torch.empty_like(t) for t in flat]

@@ -132,7 +132,9 @@ def scenarios_for(quick: bool, repeats: int) -> list[Scenario]:
     ]
 
 
-class _Tensors(WeightSource):
+class TensorSource(WeightSource):
+    """The tensors of an ordered dict, in order (swap `tensors` between rounds)."""
+
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
 
@@ -275,7 +277,7 @@ def run_scenario(sc: Scenario, log: Callable[[str], None] = print) -> dict[str, 
     # two targets alternate round by round (above 1 GiB the same one twice, for memory)
     targets = [_random_tensors(sc.layout, 1)]
     targets.append(_random_tensors(sc.layout, 2) if sc.nbytes <= 1 << 30 else targets[0])
-    source = _Tensors(targets[0])
+    source = TensorSource(targets[0])
     nbytes = sc.nbytes
     flat = [t for t in targets[0].values()]
     copies = [torch.empty_like(t) for t in flat]

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
 
-from weight_transfer import ParamMeta, WeightSource
+from wt_tools.scenarios import TensorSource
 
 __all__ = ["ShardedMLP", "measure"]
 
@@ -90,17 +90,6 @@ class _Workers:
         self._all("finish_weight_update", version)
 
 
-class _Source(WeightSource):
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.tensors.items())
-
-
 def measure(tp: int, layers: int = 8, hidden: int = 1024, repeats: int = 3) -> dict[str, Any]:
     """Sync a `tp`-way sharded engine `repeats` times; bytes per worker and seconds."""
     from weight_transfer import WorkerPosition, WorkerSession
@@ -112,7 +101,7 @@ def measure(tp: int, layers: int = 8, hidden: int = 1024, repeats: int = 3) -> d
         ShardedRDTWorkerEngine(None, WorkerPosition(r, tp), "cpu", m) for r, m in enumerate(models)
     ]
     targets = [checkpoint(layers, hidden, seed) for seed in (1, 2)]
-    source = _Source(targets[0])
+    source = TensorSource(targets[0])
     info = ShardedRDTTrainerInitInfo(
         rank=0, num_consumers=tp, transport="loopback", producer_prefix=f"wt-bench-tp{tp}"
     )

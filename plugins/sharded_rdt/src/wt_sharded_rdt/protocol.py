@@ -28,10 +28,8 @@ sync; a group is released (its tensors dropped) when all have arrived.
 from __future__ import annotations
 
 import hashlib
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from weight_transfer.backend import (
     FetchKey,
@@ -356,19 +354,3 @@ def _split(
         pieces[-1].append(entry)
         size += nbytes
     return pieces
-
-
-def payload_metas(metas: Sequence[ParamMeta]) -> dict[str, Any]:
-    return {
-        "names": [m.name for m in metas],
-        "dtype_names": [dtype_name(m.dtype) for m in metas],
-        "shapes": [list(m.shape) for m in metas],
-    }
-
-
-def group_index(groups: Sequence[Sequence[str]]) -> Mapping[str, int]:
-    return {n: gi for gi, names in enumerate(groups) for n in names}
-
-
-def numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)

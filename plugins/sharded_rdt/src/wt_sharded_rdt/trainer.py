@@ -46,6 +46,7 @@ from weight_transfer.backend import (
     check_timeout,
     in_background,
     layerwise_groups,
+    param_list_payload,
     payload_of,
     wait_for,
 )
@@ -58,7 +59,6 @@ from wt_sharded_rdt.protocol import (
     ShardedRDTWorkerInitInfo,
     metadata_digest,
     owner_table,
-    payload_metas,
 )
 from wt_sharded_rdt.transport import (
     ProducerClient,
@@ -178,7 +178,6 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
         self.host: ProducerHost | None = None
         self.peers: list[ProducerClient] = []
         self._tables: tuple[list[list[int]], list[int]] | None = None
-        self._owner_bytes = 0
 
     @classmethod
     def trainer_init(
@@ -276,7 +275,7 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                 producer_names=[info.producer_name(r) for r in range(info.num_trainer_ranks)],
                 namespace=self.namespace,
                 ray_address=self.ray_address,
-                **payload_metas(self.metas),
+                **param_list_payload(self.metas),
                 group_lens=[len(g) for g in self.groups],
                 owner_sets=owner_sets,
                 name_owner_class=classes,

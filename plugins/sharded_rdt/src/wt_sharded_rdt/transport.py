@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -261,10 +262,8 @@ class ProducerActor:
         tensors = {}
         for name, offset, dtype, shape in layout:
             dt = dtype_from_name(dtype, field="layout dtype")
-            count = 1
-            for d in shape:
-                count *= d
-            tensors[name] = base[offset : offset + count * dt.itemsize].view(dt).view(shape)
+            nbytes = math.prod(shape) * dt.itemsize
+            tensors[name] = base[offset : offset + nbytes].view(dt).view(shape)
         self.producer.publish(group, tensors)
 
     def wait_freed(self, within_s: float) -> list[int]:

@@ -148,10 +148,10 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
             for n in init_info.producer_names
         ]
         metas = {m.name: m for m in init_info.metas}
-        groups = [[metas[n] for n in names] for names in init_info.groups()]
-        record, zero = bake(self.new_loader(), groups)
+        groups = init_info.groups()
+        record, zero = bake(self.new_loader(), [[metas[n] for n in names] for names in groups])
         router = Router(init_info.owner_sets, init_info.name_owner_class, init_info.names)
-        plan = build_plan(record, init_info.groups(), router, consumer_id, init_info.chunk_bytes)
+        plan = build_plan(record, groups, router, consumer_id, init_info.chunk_bytes)
         for owner, nbytes in plan.bytes_from().items():
             clients[owner].reserve(consumer_id, nbytes)
         self.slots = [
