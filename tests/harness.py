@@ -168,6 +168,9 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
             return session.weight_version
         if method == "state_dict":
             return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+        if method == "corrupt":
+            corrupt_received(*args)
+            return None
         return getattr(session, method)(*args, **kwargs)
 
     def handle(conn: Connection) -> None:
@@ -190,6 +193,28 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
     while True:
         conn = listener.accept()
         threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+
+_CORRUPTOR: list[Any] = []
+
+
+def corrupt_received(bucket: int | None, at: int = 0, mask: int = 0xFF) -> None:
+    """Flip byte `at` (xor `mask`) of bucket `bucket` as this process receives it, through
+    core's test-only transport hook (`digest.RECEIVE_HOOKS`); `None` removes the hook."""
+    from weight_transfer.transport.digest import RECEIVE_HOOKS
+
+    for hook in _CORRUPTOR:
+        RECEIVE_HOOKS.remove(hook)
+    _CORRUPTOR.clear()
+    if bucket is None:
+        return
+
+    def flip(k: int, buf: torch.Tensor) -> None:
+        if k == bucket:
+            buf[at] ^= mask
+
+    RECEIVE_HOOKS.append(flip)
+    _CORRUPTOR.append(flip)
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -362,6 +387,10 @@ class WorkerPool:
     def each(self, method: str, *args: Any) -> list[Any]:
         """Call a harness method (`received`, `digests`, ...) on every worker."""
         return FanoutClient(self.addresses).call(method, *args)
+
+    def on(self, i: int, method: str, *args: Any) -> Any:
+        """Call a harness or session method on worker `i` only."""
+        return FanoutClient([self.addresses[i]]).call(method, *args)[0]
 
     def kill(self, i: int) -> None:
         p = self.processes[i]

@@ -20,6 +20,7 @@ from weight_transfer.backend import (
     host_memory_bytes,
     parse_payload,
 )
+from weight_transfer.transport.auth import new_secret
 from weight_transfer.transport.wire import WIRE_PROTOCOL_VERSION
 
 
@@ -29,6 +30,7 @@ def _group(**extra: Any) -> dict[str, Any]:
         "master_address": "127.0.0.1",
         "master_port": 29999,
         "world_size": 3,
+        "secret": new_secret(),
         **extra,
     }
 

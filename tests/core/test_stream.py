@@ -24,6 +24,7 @@ from weight_transfer.backend import (
     TransferTimeout,
     free_port,
 )
+from weight_transfer.transport.auth import new_secret
 
 
 def _transfer(watch: dict[str, Future[None]] | None = None, timeout_s: float = 5.0) -> Transfer:
@@ -150,7 +151,7 @@ def test_load_pipeline_drains_after_a_failure_and_finish_raises() -> None:
 
 def _solo_group() -> StatelessGroup:
     return StatelessGroup.create(
-        host="127.0.0.1", port=free_port(), rank=0, world_size=1, timeout_s=10
+        host="127.0.0.1", port=free_port(), rank=0, world_size=1, secret=new_secret(), timeout_s=10
     )
 
 

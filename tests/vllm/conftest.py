@@ -227,8 +227,11 @@ class VersionedClient:
         self.inner.finish_weight_update(weight_version=version)
 
 
-def connect(backend: str, client: Any, source: WeightSource, scratch: str) -> Any:
-    """A trainer engine of `backend` (rank 0, CPU) connected through `client`."""
+def connect(backend: str, client: Any, source: WeightSource, scratch: str, **wire: Any) -> Any:
+    """A trainer engine of `backend` (rank 0, CPU) connected through `client`; `wire`
+    overrides wire parameters of the nccl and ipc recipes (`verify=True`, say)."""
+    if wire and backend not in ("nccl", "ipc"):
+        raise ValueError(f"no wire parameters for backend {backend!r}")
     from weight_transfer import WeightTransferTrainerFactory
 
     if backend == "nccl":
@@ -244,6 +247,7 @@ def connect(backend: str, client: Any, source: WeightSource, scratch: str) -> An
             device="cpu",
             packed_buffer_size_bytes=256 << 10,
             packed_min_bucket_bytes=0,
+            **wire,
         )
     elif backend == "ipc":
         from wt_ipc import IPCTrainerInitInfo
@@ -254,6 +258,7 @@ def connect(backend: str, client: Any, source: WeightSource, scratch: str) -> An
             device="cpu",
             packed_buffer_size_bytes=256 << 10,
             packed_min_bucket_bytes=0,
+            **wire,
         )
     elif backend == "sharded_rdt":
         from wt_sharded_rdt import ShardedRDTTrainerInitInfo
@@ -288,11 +293,12 @@ class Served:
     seed: int = INITIAL_SEED
     rounds: int = field(default=0)
 
-    def reconnect(self) -> None:
-        """A new trainer engine (the engine serves one trainer: the old one shuts down)."""
+    def reconnect(self, **wire: Any) -> None:
+        """A new trainer engine (the engine serves one trainer: the old one shuts down);
+        `wire` overrides the recipe's wire parameters (see `connect`)."""
         if self.trainer is not None:
             self.trainer.shutdown()
-        self.trainer = connect(self.backend, self.client, self.source, self.scratch)
+        self.trainer = connect(self.backend, self.client, self.source, self.scratch, **wire)
 
     def sync(self, seed: int, version: str | None = None) -> None:
         """Send seed `seed`'s weights (a transformers model) in one round."""

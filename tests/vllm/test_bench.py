@@ -19,6 +19,8 @@ MODES = {
     "sharded_rdt",
     "sparse_nccl 1%",
     "sparse_nccl 10%",
+    "nccl packed verify",
+    "ipc packed verify",
 }
 
 
@@ -38,6 +40,8 @@ def test_quick_bench_produces_every_figure(tmp_path: Path) -> None:
     results = json.loads((out / "bench.json").read_text())
     scenarios = results["scenarios"]
     assert {m["mode"] for m in scenarios[0]["modes"]} == MODES
+    verified = [m for s in scenarios for m in s["modes"] if m["mode"].endswith(" verify")]
+    assert verified and all(m["x_unverified"] > 0 for m in verified)
     assert any(s["workers"] > 1 for s in scenarios)
     assert any(s["scenario"].startswith("MoE") for s in scenarios)
     for s in scenarios:

@@ -50,11 +50,12 @@ READY_TIMEOUT_S = 240.0
 
 
 class Server:
-    def __init__(self, model_dir: str, log_path: str, backend: str = BACKEND) -> None:
-        from weight_transfer.transport.group import free_port
-
+    def __init__(
+        self, model_dir: str, log_path: str, backend: str = BACKEND, port: int | None = None
+    ) -> None:
         self.model_dir = model_dir
-        self.port = free_port()
+        self.backend = backend
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs as deployed
@@ -80,7 +81,7 @@ class Server:
             json.dumps({"backend": f"wt_{backend}"}),
         ]
         self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115
+        self._log = open(log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -470,7 +471,7 @@ def test_http_random_control_sequences_keep_the_engine_servable(
     committed = 2
     stray_init = {
         "wire_protocol": WIRE_PROTOCOL_VERSION, "master_address": "127.0.0.1",
-        "master_port": free_port(), "world_size": 2, "timeout_s": 2.0,
+        "master_port": free_port(), "world_size": 2, "timeout_s": 2.0, "secret": "0" * 64,
     }  # fmt: skip
 
     def sync() -> int:

@@ -16,7 +16,6 @@ from weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 from weight_transfer.clients import (
-    FanOutClient,
     HTTPVLLMWeightSyncClient,
     LocalVLLMWeightSyncClient,
     RayVLLMWeightSyncClient,
@@ -27,6 +26,7 @@ from weight_transfer.factory import (
     WeightTransferTrainerFactory,
     list_backends,
 )
+from weight_transfer.fleet import FanOutClient, FleetError
 from weight_transfer.position import WorkerPosition
 from weight_transfer.session import WorkerSession
 from weight_transfer.source import ModuleSource, ParamMeta, WeightSource, layerwise_groups
@@ -44,6 +44,7 @@ __all__ = [
     "LocalVLLMWeightSyncClient",
     "WeightSyncRPCError",
     "FanOutClient",
+    "FleetError",
     "TrainerInitInfo",
     "TrainerWeightTransferEngine",
     "WeightTransferTrainerFactory",

@@ -51,6 +51,11 @@ Transport
     `plan_per_tensor`, `PlanCache`, `BucketPlan`, `Bucket`, `Piece`,
     `as_bytes`, `RotatingBuffers`, `Packer`, `Unpacker`. Streaming: `SendWindow`,
     `LoadPipeline`, `LoadFailed`, `aligned_layout` (the layout both ends derive).
+    Verified bytes: `BucketDigests` (per-piece digests of a bucket, computed
+    and checked on the bytes' device), `DigestMismatch`, `DigestRoom` (digests
+    in a staging buffer's tail), `digest`, `DIGEST_DTYPE`. Re-admission:
+    `NO_GROUP` / `needs_reconnect` (a side without a group refuses with it;
+    the trainer then calls its `reconnect`).
     Waiting: `in_background`, `await_transfer`,
     `wait_for`, `work_future`, `all_settle`, `PEER_GRACE_S`, `CollectiveError`,
     `TransferTimeout`.
@@ -83,6 +88,7 @@ from weight_transfer.limits import (
 )
 from weight_transfer.loading import (
     DirectLoader,
+    Revertible,
     SliceLoader,
     Transaction,
     WeightLoader,
@@ -112,7 +118,20 @@ from weight_transfer.source import (
     layer_key,
     layerwise_groups,
 )
-from weight_transfer.transport.channel import ChannelDownError, GroupChannel, Link
+from weight_transfer.transport.channel import (
+    NO_GROUP,
+    ChannelDownError,
+    GroupChannel,
+    Link,
+    needs_reconnect,
+)
+from weight_transfer.transport.digest import (
+    DIGEST_DTYPE,
+    BucketDigests,
+    DigestMismatch,
+    DigestRoom,
+    digest,
+)
 from weight_transfer.transport.dtypes import WIRE_DTYPES, dtype_from_name, dtype_name
 from weight_transfer.transport.futures import (
     PEER_GRACE_S,
@@ -191,6 +210,7 @@ __all__ = [
     "param_list_payload",
     "Transaction",
     "WeightLoader",
+    "Revertible",
     "DirectLoader",
     "SliceLoader",
     "loader_for",
@@ -226,6 +246,8 @@ __all__ = [
     "GroupChannel",
     "ChannelDownError",
     "Link",
+    "NO_GROUP",
+    "needs_reconnect",
     "SharedSegment",
     "LocalListener",
     "LocalLink",
@@ -246,6 +268,11 @@ __all__ = [
     "Piece",
     "as_bytes",
     "aligned_layout",
+    "BucketDigests",
+    "DigestMismatch",
+    "DigestRoom",
+    "DIGEST_DTYPE",
+    "digest",
     # slices (record once, replay every round)
     "ALLOWED_OPS",
     "FetchKey",

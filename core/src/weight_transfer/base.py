@@ -30,19 +30,24 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 import torch
 
 from weight_transfer.hooks import SyncTracker
-from weight_transfer.loading import Transaction, WeightLoader, loader_for
+from weight_transfer.loading import Revertible, Transaction, WeightLoader, loader_for
 from weight_transfer.payload import parse_payload
 from weight_transfer.position import WorkerPosition, worker_position
 from weight_transfer.rounds import (
     ABORT_FIELD,
     ABORTED_ON_REQUEST,
     DEFAULT_TIMEOUT_S,
+    HOLD_FIELD,
+    NOTHING_HELD,
+    RELEASE_FIELD,
+    REVERT_FIELD,
     AlignedFailure,
     RoundClient,
     TrainerRound,
     new_trainer_id,
 )
 from weight_transfer.source import WeightSource  # in the engine's signatures, as in the spec
+from weight_transfer.transport.channel import needs_reconnect
 from weight_transfer.transport.wire import WireProtocolInfo, check_wire_protocol
 
 __all__ = [
@@ -162,12 +167,35 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
         self.syncs += 1
         tracker = SyncTracker(self.backend, self.syncs, num_params, total_bytes, num_chunks)
         try:
-            self.client.start_weight_update()
+            try:
+                self.client.start_weight_update()
+            except Exception as error:
+                if not (self.can_reconnect and needs_reconnect(error)):
+                    raise
+                logger.warning("%s: re-admitting the workers (%s)", self.backend, error)
+                self.reconnect()
+                self.client.start_weight_update()
         except BaseException as error:
             tracker.fail(error)
             raise
         tracker.started()
         return TrainerRound(self.client, tracker, self.timeout_s)
+
+    @property
+    def can_reconnect(self) -> bool:
+        """Whether this backend re-admits workers at a round boundary (`reconnect`)."""
+        return type(self).reconnect is not TrainerWeightTransferEngine.reconnect
+
+    def reconnect(self) -> None:
+        """Run the init handshake again with every worker, between rounds.
+
+        Core calls it when a worker has no channel (a replica restarted, a
+        group torn down by a failed round): `open_round` when a start is
+        refused that way, `ResyncTrainerEngine` when the trainer's own side is
+        down. Every other replica keeps serving meanwhile. A backend that can
+        re-admit overrides it; the default cannot.
+        """
+        raise NotImplementedError(f"{self.backend} cannot re-admit workers; run trainer_init again")
 
     @classmethod
     @abstractmethod
@@ -283,6 +311,7 @@ def _round_step(name: str, step: Callable[..., None]) -> Callable[..., None]:
                         "init_weight_transfer_engine while a weight update is active: finish "
                         "the round (or let it fail) before connecting a trainer"
                     )
+                self.release_held()
                 step(self, *args)
                 timeout_s = getattr(args[0] if args else None, "timeout_s", None)
                 if isinstance(timeout_s, (int, float)) and timeout_s > 0:
@@ -352,6 +381,8 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         self._default_model = model
         self._default_model_config = self.model_config
         self.transaction: Transaction | None = None
+        self.held: Revertible | None = None  # a committed round kept for revert (HOLD_FIELD)
+        self._hold = False  # this round's commit keeps its undo record
         self.round_timeout_s = DEFAULT_TIMEOUT_S
         self._in_round_step = False
         self._round_lock = threading.RLock()
@@ -427,6 +458,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             transaction = self.new_transaction()
             transaction.begin()
             self.transaction = transaction
+            self._hold = False
             try:
                 subclass_start()
             except BaseException as error:
@@ -442,12 +474,25 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             try:
                 self.drain_pending()
                 subclass_finish()
-                if transaction is not None:
+                if transaction is None:
+                    pass
+                elif self._hold and isinstance(transaction, Revertible):
+                    self.release_held()  # an older record, had its release not arrived
+                    transaction.commit(keep_undo=True)
+                    self.held = transaction
+                else:
                     transaction.commit()
             except BaseException as error:
                 self._abort_round(error)
                 raise
             self.transaction = None
+            self._hold = False
+
+    def release_held(self) -> None:
+        """Drop the undo record a held commit kept (`HOLD_FIELD`); idempotent."""
+        held, self.held = self.held, None
+        if held is not None:
+            held.release()
 
     def _expire_stale_round(self) -> None:
         """Roll back a round with no call in progress for `round_timeout_s` (a trainer
@@ -525,17 +570,24 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
                 self._progress = time.monotonic()
 
     def _update_locked(self, update_info: dict[str, Any]) -> None:
-        if isinstance(update_info, dict) and ABORT_FIELD in update_info:
-            reason = f"{ABORTED_ON_REQUEST}: {update_info[ABORT_FIELD]}"
-            self._expired = None
-            if self.transaction is not None:
-                self._abort_round(RoundAbortedError(reason))
-            raise RoundAbortedError(reason)
+        if isinstance(update_info, dict):
+            if ABORT_FIELD in update_info:
+                self._abort_on_request(str(update_info[ABORT_FIELD]))
+            if REVERT_FIELD in update_info:
+                self._revert_held(str(update_info[REVERT_FIELD]))
+                return
+            if RELEASE_FIELD in update_info:
+                self.release_held()
+                return
         if self._expired is not None:
             expired, self._expired = self._expired, None
             raise RoundAbortedError(expired)
+        if isinstance(update_info, dict) and HOLD_FIELD in update_info:
+            self._hold_commit()
+            return
         if self.transaction is None:
             raise RuntimeError("update_weights called without a matching start_weight_update")
+        self.release_held()  # this round's loads reuse the buffers it holds
         try:
             info = self.parse_update_info(update_info)
             prepare = getattr(self.transaction, "prepare", None)
@@ -550,6 +602,41 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         except BaseException as error:
             self._abort_round(error)
             raise
+
+    def _abort_on_request(self, reason: str) -> None:
+        """`ABORT_FIELD`: roll the open round back and raise `RoundAbortedError`
+        (the refusal is what makes the host close its round too)."""
+        message = f"{ABORTED_ON_REQUEST}: {reason}"
+        self._expired = None
+        if self.transaction is not None:
+            self._abort_round(RoundAbortedError(message))
+        raise RoundAbortedError(message)
+
+    def _revert_held(self, reason: str) -> None:
+        """`REVERT_FIELD`: the model serves what it served before the held round."""
+        held, self.held = self.held, None
+        if held is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: asked to revert ({reason}), but {NOTHING_HELD} "
+                "(none was asked to hold, or a later round loaded since)"
+            )
+        logger.warning("%s: reverting the last committed round (%s)", type(self).__name__, reason)
+        held.revert()
+
+    def _hold_commit(self) -> None:
+        """`HOLD_FIELD`: this round's commit keeps its undo record, or the hold is refused."""
+        transaction = self.transaction
+        if transaction is None:
+            raise RuntimeError("update_weights called without a matching start_weight_update")
+        if not isinstance(transaction, Revertible):
+            error = TypeError(
+                f"{type(self).__name__}: the round's transaction ({type(transaction).__name__}) "
+                "cannot revert a committed round, so this engine cannot hold a commit for an "
+                "all-or-nothing fleet round"
+            )
+            self._abort_round(error)
+            raise error
+        self._hold = True
 
     def drain_pending(self) -> None:
         """Complete deferred work; idempotent, a no-op for synchronous engines."""

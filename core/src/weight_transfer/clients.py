@@ -43,14 +43,13 @@ from weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
-from weight_transfer.rounds import round_left_open
+from weight_transfer.rounds import ABORT_FIELD, ABORTED_ON_REQUEST, REVERT_FIELD, round_left_open
 
 __all__ = [
     "WeightSyncRPCError",
     "HTTPVLLMWeightSyncClient",
     "RayVLLMWeightSyncClient",
     "LocalVLLMWeightSyncClient",
-    "FanOutClient",
     "PauseMode",
 ]
 
@@ -83,6 +82,8 @@ class _PausingClient:
 
     pause: PauseMode | None
     reset_prefix_cache: bool
+    # `finish_weight_update(..., resume=False)` keeps generation paused (see the fleet).
+    resumes_on_request = True
 
     def _set_policy(self, pause: PauseMode | None, reset_prefix_cache: bool) -> None:
         if pause is not None and pause not in PAUSE_MODES:
@@ -142,16 +143,74 @@ class _PausingClient:
             self._resume_after(error)
             raise
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
+    def finish_weight_update(
+        self, weight_version: str | None = None, *, resume: bool = True
+    ) -> None:
+        """Finish the round; generation resumes after it, whether it succeeded or
+        not, unless `resume=False` (a fleet resumes every replica once it knows
+        what each serves: after all finished, or after it reverted them)."""
         try:
             self._call_finish(weight_version)
             if self.reset_prefix_cache:
                 self._reset_prefix_cache()
         except BaseException as error:
-            self._resume_after(error)
+            if resume:  # else the caller resumes, once it knows what the model holds
+                self._resume_after(error)
             raise
-        if self.pause is not None:
+        if resume and self.pause is not None:
             self._resume()
+
+    def control_round(
+        self, payload: dict[str, Any], accept: Sequence[str] = (), *, paused: bool = False
+    ) -> None:
+        """A round that carries one in-band control and loads nothing (the
+        fleet's revert and release, `weight_transfer.fleet`): start, the
+        control, finish. A refusal whose message holds one of `accept` is
+        an answer too (that refusal closed the round).
+
+        Generation is paused for a revert only (it changes the weights; the
+        prefix cache is reset after it) and resumed after it (`paused`: it is
+        paused already, by a `finish_weight_update(resume=False)`); a release
+        touches nothing.
+        """
+        changes = REVERT_FIELD in payload
+        if changes and self.pause is not None and not paused:
+            self._pause(self.pause)
+        try:
+            try:
+                self._call("start_weight_update")
+            except WeightSyncRPCError as error:
+                if not round_left_open(error):
+                    raise
+                self._end_left_open()
+                self._call("start_weight_update")
+            try:
+                self._call_update(payload)
+            except WeightSyncRPCError as error:
+                if not any(answer in str(error) for answer in accept):
+                    raise
+                return
+            self._call_finish(None)
+            if changes and self.reset_prefix_cache:
+                self._reset_prefix_cache()
+        finally:
+            if changes and self.pause is not None:
+                self._resume()
+
+    def _end_left_open(self) -> None:
+        try:
+            self._call_update({ABORT_FIELD: "a control round starts while this one was left open"})
+        except WeightSyncRPCError as error:
+            if ABORTED_ON_REQUEST not in str(error):
+                raise
+
+    def weight_version(self) -> str:
+        """The engine's weight version label."""
+        return str(self._call("get_weight_version"))
+
+    def set_weight_version(self, version: str) -> None:
+        """Set the engine's weight version label (the fleet restores it on a revert)."""
+        self._call("update_weight_version", version)
 
     # The engine's own methods, for clients whose `_call` reaches an `LLM` /
     # `AsyncLLM` object; init and update travel as vLLM's request objects.
@@ -278,6 +337,9 @@ class HTTPVLLMWeightSyncClient(_PausingClient):
     def weight_version(self) -> str:
         return str(self._request("GET", "/weight_info")["weight_version"])
 
+    def set_weight_version(self, version: str) -> None:
+        self._request("POST", "/update_weight_version", {"new_version": version})
+
     def close(self) -> None:
         self._http.close()
 
@@ -350,6 +412,10 @@ class RayVLLMWeightSyncClient(_PausingClient):
                     break
         self._get(what, refs)
 
+    def weight_version(self) -> str:
+        """The first handle's label (a fleet keeps one client per replica)."""
+        return str(self._call("get_weight_version")[0])
+
     def _pause(self, mode: PauseMode) -> None:
         self._each(
             "pause_generation",
@@ -394,46 +460,3 @@ class LocalVLLMWeightSyncClient(_PausingClient):
     def _resume(self) -> None:
         if callable(getattr(self.llm, "wake_up", None)):
             self._call("wake_up", tags=["scheduling"])
-
-
-class FanOutClient:
-    """Several inference engines (replicas) reached as one client.
-
-    Each call runs on every replica at once and waits for all of them (each
-    replica's own client bounds its call); if any failed, the first failure
-    is raised as `WeightSyncRPCError` naming the replica and the call.
-    `replicas` is the list of clients, in replica order: a backend whose
-    handshake differs per replica (its identity in the fleet) calls them one
-    by one.
-    """
-
-    def __init__(self, replicas: Sequence[Any]) -> None:
-        if not replicas:
-            raise ValueError("FanOutClient needs at least one replica client")
-        self.replicas = list(replicas)
-
-    def _each(self, method: str, *args: Any, **kwargs: Any) -> None:
-        import concurrent.futures
-
-        with concurrent.futures.ThreadPoolExecutor(
-            len(self.replicas), thread_name_prefix="wt-fanout"
-        ) as pool:
-            futures = [pool.submit(getattr(r, method), *args, **kwargs) for r in self.replicas]
-        for index, future in enumerate(futures):
-            error = future.exception()
-            if error is not None:
-                raise WeightSyncRPCError(
-                    method, f"replica {index}: {type(error).__name__}: {error}"
-                ) from error
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._each("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self._each("start_weight_update")
-
-    def update_weights(self, update_info: UpdatePayload) -> None:
-        self._each("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._each("finish_weight_update", weight_version)

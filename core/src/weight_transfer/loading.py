@@ -36,6 +36,7 @@ from weight_transfer.slices import LoadFn, Scatter, storage_id, write_scatter
 
 __all__ = [
     "Transaction",
+    "Revertible",
     "WeightLoader",
     "SliceLoader",
     "DryRun",
@@ -64,6 +65,27 @@ class Transaction(Protocol):
 
     def abort(self) -> None:
         """Undo every change since `begin()`; idempotent, and a no-op after `commit()`."""
+
+
+@runtime_checkable
+class Revertible(Transaction, Protocol):
+    """A transaction whose commit can be undone until another round loads.
+
+    `commit(keep_undo=True)` commits but keeps the undo record; then exactly
+    one of `revert()` (the model serves what it served before `begin()`
+    again) or `release()` (the record is dropped) ends it. The record lives
+    in buffers the next round reuses, so the engine releases it before a new
+    round loads anything. This is what lets a fleet take back a replica that
+    committed while another failed (`weight_transfer.fleet`).
+    """
+
+    def commit(self, keep_undo: bool = False) -> None: ...
+
+    def revert(self) -> None:
+        """Undo the committed round whose record was kept; `RuntimeError` if none is."""
+
+    def release(self) -> None:
+        """Drop a kept undo record; idempotent."""
 
 
 @runtime_checkable
@@ -123,10 +145,13 @@ class DirectLoader:
     Undo: a plain module's parameter is copied aside just before its first
     overwrite in the round (on the loading thread, so it overlaps the
     transfer); a model with its own `load_weights` may touch any parameter,
-    so all are copied aside at `begin()`. `abort()` copies back what was set
-    aside. The undo buffers belong to the model and are reused every round
-    (a fresh copy per round costs more in page faults than in copying); their
-    cost is one copy of the parameters, kept while the model lives.
+    so all are copied aside at `prepare()` (before the first load: `begin()`
+    touches nothing, so a round that loads nothing leaves a kept record
+    intact). `abort()` copies back what was set aside; so does `revert()`
+    after `commit(keep_undo=True)` (a `Revertible`). The undo buffers belong
+    to the model and are reused every round (a fresh copy per round costs
+    more in page faults than in copying); their cost is one copy of the
+    parameters, kept while the model lives.
     Parameters keep their storage: loads and restores are in place.
 
     `undo=False` keeps no undo copy (a benchmark pricing the transport alone,
@@ -137,6 +162,8 @@ class DirectLoader:
         self.model = model
         self.undo = undo
         self._saved: set[str] | None = None  # names set aside this round
+        self._prepared = False
+        self._kept: set[str] | None = None  # names of a committed round kept for revert()
 
     def _undo_store(self) -> dict[str, torch.Tensor]:
         return _UNDO.setdefault(self.model, {})
@@ -161,14 +188,23 @@ class DirectLoader:
                 "parameters: DirectLoader cannot load weights into it"
             )
         self._saved = set()
-        if own_loader and self.undo:
+        self._prepared = False
+
+    def prepare(self) -> None:
+        """Before the first load of a round: a model with its own `load_weights`
+        has every parameter set aside (it may touch any of them)."""
+        if self._saved is None:
+            raise RuntimeError("DirectLoader.prepare: no open round (begin() first, or aborted)")
+        if self._prepared:
+            return
+        self._prepared = True
+        if callable(getattr(self.model, "load_weights", None)) and self.undo:
             with torch.no_grad():
-                for name, param in params.items():
+                for name, param in self.model.named_parameters():
                     self._set_aside(name, param)
 
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        if self._saved is None:
-            raise RuntimeError("DirectLoader.load: no open round (begin() first, or aborted)")
+        self.prepare()
         load_weights = getattr(self.model, "load_weights", None)
         if callable(load_weights):
             load_weights(weights)
@@ -214,8 +250,8 @@ class DirectLoader:
         """Nothing: a plain model's parameters are real; uncovered elements keep their values."""
 
     def write(self, scatter: Scatter, src: torch.Tensor) -> None:
-        if self._saved is None:
-            raise RuntimeError("DirectLoader.write: no open round (begin() first, or aborted)")
+        self.prepare()
+        assert self._saved is not None
         name = f"{scatter.module}.{scatter.param}" if scatter.module else scatter.param
         param = self.model.get_parameter(name)
         if name not in self._saved:
@@ -226,17 +262,30 @@ class DirectLoader:
     def end_module(self, module: str) -> None:
         """Nothing: a plain model has no post-load processing."""
 
-    def commit(self) -> None:
-        self._saved = None
+    def commit(self, keep_undo: bool = False) -> None:
+        saved, self._saved = self._saved, None
+        self._kept = saved if keep_undo and self.undo else None
 
     def abort(self) -> None:
         saved, self._saved = self._saved, None
-        if not saved:
+        self._restore(saved)
+
+    def revert(self) -> None:
+        kept, self._kept = self._kept, None
+        if kept is None:
+            raise RuntimeError("DirectLoader.revert: no committed round was kept (keep_undo)")
+        self._restore(kept)
+
+    def release(self) -> None:
+        self._kept = None
+
+    def _restore(self, names: set[str] | None) -> None:
+        if not names:
             return
         params = dict(self.model.named_parameters())
         store = self._undo_store()
         with torch.no_grad():
-            for name in saved:
+            for name in names:
                 params[name].copy_(store[name])
 
 

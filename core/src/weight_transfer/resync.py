@@ -7,7 +7,9 @@ rest on every rank:
 1. `metadata()` on every rank (it may be a collective); a non-sender then
    iterates the source (staying in its trainer-side collectives) and returns;
 2. `check_ready()` and `num_chunks(metas)`, before any call reaches the
-   workers, so a refused plan leaves nothing open;
+   workers, so a refused plan leaves nothing open; a channel that is down
+   (`ChannelDownError`: torn down by a failed round) is re-formed first where
+   the backend can (`reconnect`);
 3. `open_round` (`start_weight_update`, hooks), then `update_weights(
    update_info(metas))` in flight while `transmit(metas, pairs, transfer)`
    moves the bytes; `pairs` is the source's iteration checked against its
@@ -22,6 +24,7 @@ need (names, wire dtype names and shapes, in metadata order).
 
 from __future__ import annotations
 
+import logging
 from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,11 +40,13 @@ from weight_transfer.base import (
 )
 from weight_transfer.rounds import DEFAULT_TIMEOUT_S, Transfer
 from weight_transfer.source import ParamMeta, WeightSource, checked_iteration
+from weight_transfer.transport.channel import ChannelDownError
 from weight_transfer.transport.dtypes import dtype_from_name, dtype_name
 
 __all__ = ["ResyncTrainerEngine", "ParamListUpdateInfo", "param_list_payload"]
 
 TInfo = TypeVar("TInfo", bound=TrainerInitInfo)
+logger = logging.getLogger("weight_transfer")
 
 
 def param_list_payload(metas: list[ParamMeta]) -> dict[str, Any]:
@@ -120,7 +125,14 @@ class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):
             for _ in source:
                 pass
             return
-        self.check_ready()
+        try:
+            self.check_ready()
+        except ChannelDownError as down:
+            if not self.can_reconnect:
+                raise
+            logger.warning("%s: re-forming the channel before the round (%s)", self.backend, down)
+            self.reconnect()
+            self.check_ready()
         num_chunks = self.num_chunks(metas)
         round_ = self.open_round(
             num_params=len(metas),

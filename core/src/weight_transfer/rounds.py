@@ -45,6 +45,10 @@ __all__ = [
     "AlignedFailure",
     "TrainerRound",
     "DEFAULT_TIMEOUT_S",
+    "ABORT_FIELD",
+    "HOLD_FIELD",
+    "REVERT_FIELD",
+    "RELEASE_FIELD",
     "new_trainer_id",
     "round_left_open",
 ]
@@ -59,6 +63,15 @@ UPDATE_CALL = "the workers' update_weights"
 # routes have no abort of their own; only the message crosses HTTP).
 ABORT_FIELD = "wt_abort"
 ABORTED_ON_REQUEST = "aborted on request"
+# The fleet's in-band controls (`weight_transfer.fleet`), carried the same way:
+# `{HOLD_FIELD: True}` asks the open round to keep its undo record after it
+# commits; in a round of its own, `{REVERT_FIELD: reason}` restores the weights
+# that record saved and `{RELEASE_FIELD: reason}` drops it (that round then
+# loads nothing and finishes normally).
+HOLD_FIELD = "wt_hold"
+REVERT_FIELD = "wt_revert"
+RELEASE_FIELD = "wt_release"
+NOTHING_HELD = "no committed round is held"  # a revert with nothing to revert
 # How hosts refuse a start while their round is open (vLLM's worker, WorkerSession).
 _ROUND_OPEN_MARKERS = ("weight update is already active", "while a weight update is active")
 
@@ -142,6 +155,13 @@ class RoundClient:
         """Forget the call in flight without waiting (an error path); the next start lets it end."""
         if self.pending is not None:
             self._leftover, self.pending = self.pending, None
+
+    def round_failed(self, error: BaseException) -> None:
+        """Tell a client that ends rounds itself (`FanOutClient.round_failed`: every
+        replica back on its previous weights) that the trainer's round failed."""
+        ending = getattr(self.inner, "round_failed", None)
+        if callable(ending):
+            ending(error)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.wait_update()
@@ -234,7 +254,10 @@ class TrainerRound:
     def _fail(self, error: BaseException) -> None:
         self.closed = True
         self.client.abandon()
-        self.tracker.fail(error)
+        try:
+            self.client.round_failed(error)
+        finally:
+            self.tracker.fail(error)
 
     def update(self, update_info: Any, transmit: Callable[[Transfer], None]) -> None:
         """`update_weights(update_info)` while `transmit` moves its bytes; then its answer."""

@@ -102,6 +102,10 @@ class WorkerSession:
         if weight_version is not None:
             self.weight_version = weight_version
 
+    def set_weight_version(self, version: str) -> None:
+        """Set the version label (a fleet restores it when it reverts a round)."""
+        self.weight_version = version
+
     def shutdown_weight_transfer_engine(self) -> None:
         if self._active:
             raise RuntimeError("cannot shut the weight transfer engine down during an update")

@@ -16,6 +16,7 @@ from tests.harness import WorkerPool, digest
 from tests.sources import DictSource, mixed_tensors
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
 from weight_transfer.backend import free_port
+from weight_transfer.transport.auth import new_secret
 from weight_transfer.transport.wire import WIRE_PROTOCOL_VERSION
 from wt_nccl import NCCLTrainerInitInfo
 
@@ -54,6 +55,7 @@ def _init(port: int, timeout_s: float) -> dict[str, object]:
         "master_port": port,
         "world_size": 2,
         "timeout_s": timeout_s,
+        "secret": new_secret(),
     }
 
 

@@ -214,8 +214,10 @@ def test_killed_worker_fails_the_trainer_within_the_timeout() -> None:
         assert elapsed < timeout_s + 5
         message = str(err.value).lower()
         assert any(w in message for w in ("worker 1", "connection", "closed", "timed out")), message
-        with pytest.raises(RuntimeError, match="trainer_init again"):
+        t0 = time.monotonic()  # the next sync re-forms the group first, which worker 1 fails
+        with pytest.raises((WeightSyncRPCError, OSError), match=r"worker 1 is gone|refused"):
             engine.send_weights()
+        assert time.monotonic() - t0 < timeout_s + 5
 
 
 def test_worker_init_error_surfaces_at_once() -> None:
@@ -341,9 +343,9 @@ def test_a_killed_trainer_is_noticed_by_the_worker_within_seconds(stall_at: int)
             trainer.join(10)
         t0 = time.monotonic()
         client = p.client(timeout_s=60.0)
-        client.start_weight_update()  # runs once the worker's failed round has ended
+        with pytest.raises(WeightSyncRPCError, match=r"no transfer group .*the trainer left"):
+            client.start_weight_update()  # answered once the worker's failed round has ended
         elapsed = time.monotonic() - t0
-        client.finish_weight_update()
         assert elapsed < 5.0, f"the worker noticed the dead trainer after {elapsed:.1f}s"
 
         info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, timeout_s=30.0)

@@ -188,6 +188,12 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{m['bytes_per_worker'] / 1e6:.1f} | {m['peak_extra_trainer_bytes'] / 1e6:.0f} / "
                 f"{m['peak_extra_worker_bytes'] / 1e6:.0f} |"
             )
+            if "x_unverified" in m:
+                plain = m["mode"].removesuffix(" verify")
+                out.append(
+                    f"| | verify overhead: {m['mode']} vs {plain} | {m['x_unverified']:.2f} x "
+                    "| | | | | |"
+                )
         out.append(
             f"| | trainer overhead per parameter | {ref['trainer_overhead_per_param_us']:.1f} us "
             f"({s['params']} params) | | | | | |"

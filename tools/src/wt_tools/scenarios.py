@@ -10,7 +10,9 @@ In one run, interleaved round by round, each scenario times:
   (the transport's ceiling);
 - each mode: `nccl packed` / `nccl unpacked`, `sparse_nccl 1%` / `10%`
   (patches of that density on every tensor), `ipc packed`, `sharded_rdt`
-  (NIXL; the workers join the bench's Ray cluster);
+  (NIXL; the workers join the bench's Ray cluster); `nccl packed verify` /
+  `ipc packed verify` (verified bytes: digests sent and checked per bucket),
+  each also reported as a ratio to its unverified mode (`x_unverified`);
 - the trainer's own work per parameter: iterating the source (with its
   checks) and packing the buckets, no wire, minus a memcpy of the same bytes,
   divided by the number of parameters;
@@ -42,6 +44,8 @@ __all__ = ["Scenario", "dense_layout", "moe_layout", "run_scenario", "scenarios_
 
 FULL_MODES = ("nccl packed", "nccl unpacked", "ipc packed", "sharded_rdt")
 SPARSE_MODES = ("sparse_nccl 1%", "sparse_nccl 10%")
+VERIFY_SUFFIX = " verify"
+VERIFY_MODES = ("nccl packed verify", "ipc packed verify")
 BARE_CHUNK = 256 << 20
 
 
@@ -103,12 +107,16 @@ class Scenario:
 
 def scenarios_for(quick: bool, repeats: int) -> list[Scenario]:
     """The scenario list (`quick`: small ones for a smoke run)."""
-    every = (*FULL_MODES, *SPARSE_MODES)
+    every = (*FULL_MODES, *VERIFY_MODES, *SPARSE_MODES)
     if quick:
         return [
             Scenario("dense 64 MiB, 1 worker", dense_layout(64 << 20, 512), 1, every, 1),
             Scenario(
-                "dense 64 MiB, 2 workers", dense_layout(64 << 20, 512), 2, ("nccl packed",), 1
+                "dense 64 MiB, 2 workers",
+                dense_layout(64 << 20, 512),
+                2,
+                ("nccl packed", "nccl packed verify"),
+                1,
             ),
             Scenario("MoE-like 600 tensors, 8 MiB", moe_layout(8 << 20, 600), 1, every, 1),
         ]
@@ -193,24 +201,26 @@ def _connect(mode: str, workers: WorkerProcesses, n: int, source: WeightSource) 
 
     info: Any
     staging = 0
+    verify = mode.endswith(VERIFY_SUFFIX)
     if mode.startswith("nccl"):
         from wt_nccl import NCCLTrainerInitInfo
 
+        packed = mode.startswith("nccl packed")
         info = NCCLTrainerInitInfo(
-            "127.0.0.1", free_port(), n + 1, rank=0, device="cpu", packed=mode == "nccl packed"
+            "127.0.0.1", free_port(), n + 1, rank=0, device="cpu", packed=packed, verify=verify
         )
         wire = WireParams()
-        packed = wire.packed_num_buffers * wire.packed_buffer_size_bytes
-        backend, staging = "nccl", packed if mode == "nccl packed" else 0
+        buffers = wire.packed_num_buffers * wire.packed_buffer_size_bytes
+        backend, staging = "nccl", buffers if packed else 0
     elif mode.startswith("sparse"):
         from wt_sparse_nccl import SparseNCCLTrainerInitInfo
 
         info = SparseNCCLTrainerInitInfo("127.0.0.1", free_port(), n + 1, rank=0, device="cpu")
         backend = "sparse_nccl"
-    elif mode == "ipc packed":
+    elif mode.startswith("ipc packed"):
         from wt_ipc import IPCTrainerInitInfo
 
-        info = IPCTrainerInitInfo(rank=0, device="cpu", num_workers=n)
+        info = IPCTrainerInitInfo(rank=0, device="cpu", num_workers=n, verify=verify)
         backend, staging = "ipc", info.packed_num_buffers * info.packed_buffer_size_bytes
     else:
         from wt_sharded_rdt import ShardedRDTTrainerInitInfo
@@ -234,16 +244,17 @@ class _BareBroadcast:
         from concurrent.futures import ThreadPoolExecutor
 
         from weight_transfer.backend import StatelessGroup
+        from weight_transfer.transport.auth import new_secret
         from weight_transfer.transport.group import free_port
 
         self.workers, self.nbytes = workers, nbytes
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="wt-bench-bare")
         self.payload = torch.ones(min(nbytes, BARE_CHUNK), dtype=torch.uint8)
-        port = free_port()
-        joined = self.pool.submit(workers.call, "bare_join", port, nbytes, BARE_CHUNK)
+        port, secret = free_port(), new_secret()
+        joined = self.pool.submit(workers.call, "bare_join", port, secret, nbytes, BARE_CHUNK)
         self.group = StatelessGroup.create(
             host="127.0.0.1", port=port, rank=0, world_size=len(workers.processes) + 1,
-            timeout_s=300.0, name="bare",
+            secret=secret, timeout_s=300.0, name="bare",
         )  # fmt: skip
         joined.result(300)
 
@@ -366,5 +377,10 @@ def run_scenario(sc: Scenario, log: Callable[[str], None] = print) -> dict[str, 
                 "staging_bytes": mode.staging,
             }
         )
+    medians = {mode.name: statistics.median(mode.times) for mode in modes}
+    for row, mode in zip(rows, modes, strict=True):  # verified bytes, beside the same mode plain
+        plain = mode.name.removesuffix(VERIFY_SUFFIX)
+        if plain != mode.name and plain in medians:
+            row["x_unverified"] = medians[mode.name] / medians[plain]
     result["modes"] = rows
     return result

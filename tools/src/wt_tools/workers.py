@@ -111,10 +111,10 @@ def _serve(
 
     bare: dict[str, Any] = {}
 
-    def bare_join(port: int, nbytes: int, chunk: int) -> None:
+    def bare_join(port: int, secret: str, nbytes: int, chunk: int) -> None:
         bare["group"] = StatelessGroup.create(
-            host="127.0.0.1", port=port, rank=rank + 1, world_size=n + 1, timeout_s=300.0,
-            name="bare",
+            host="127.0.0.1", port=port, rank=rank + 1, world_size=n + 1, secret=secret,
+            timeout_s=300.0, name="bare",
         )  # fmt: skip
         bare["buffer"], bare["nbytes"], bare["chunk"] = (
             torch.zeros(min(nbytes, chunk), dtype=torch.uint8), nbytes, chunk,

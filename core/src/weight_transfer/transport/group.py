@@ -1,9 +1,11 @@
 """A private process group between trainer rank 0 and the inference workers.
 
-`StatelessGroup.create(...)` rendezvouses through its own `TCPStore` (rank 0
-listens) and builds a gloo group for CPU tensors or an NCCL group for CUDA
-tensors. It never reads or changes `torch.distributed`'s default group, so it
-coexists with the trainer's FSDP/TP groups and with vLLM's own groups.
+`StatelessGroup.create(...)` rendezvouses through its own authenticated store
+(`transport/store.py`: rank 0 listens on exactly the address given and admits
+only workers that prove the group's `secret`) and builds a gloo group for CPU
+tensors or an NCCL group for CUDA tensors. It never reads or changes
+`torch.distributed`'s default group, so it coexists with the trainer's FSDP/TP
+groups and with vLLM's own groups.
 
 Every wait is bounded by `timeout_s`: the store connection (also against a
 peer that accepts and never answers), the rendezvous and each collective; a
@@ -19,7 +21,6 @@ import ipaddress
 import socket
 import threading
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -27,7 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weight_transfer.transport.futures import CollectiveError, TransferTimeout, in_background
+from weight_transfer.transport.auth import check_secret
+from weight_transfer.transport.futures import CollectiveError, TransferTimeout
+from weight_transfer.transport.store import (
+    HANDSHAKE_TIMEOUT_S,
+    RemoteStore,
+    StoreServer,
+    connect_store,
+)
 
 __all__ = ["StatelessGroup", "free_port", "LIVENESS_PERIOD_S"]
 
@@ -51,41 +59,67 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _open_store(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.Store:
-    """The group's `TCPStore` (rank 0 listens), within `timeout_s` whatever the peer does.
-
-    A client's handshake with a port that accepts but never answers blocks past
-    the store's own timeout, and a closed port is retried for longer than it:
-    the constructor runs on a daemon thread, and the wait for it is bounded
-    here. A store that a late thread still opens goes with its future, which
-    nothing holds once that thread ends.
-    """
-
-    def connect() -> dist.Store:
-        # The store retries a refused connection for about twice its timeout:
-        # connect with a third of ours, then give its operations the whole of it.
-        store = dist.TCPStore(
+def _open_store(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float, secret: str, trainer_id: str
+) -> tuple[dist.Store, StoreServer | None]:
+    """Rank 0: the listening `StoreServer` and its own store; a worker: its admitted
+    connection. Raises `RuntimeError` (or `StoreRefused`) naming the address."""
+    if rank != 0:
+        store = connect_store(
+            host, port, secret=secret, trainer_id=trainer_id, rank=rank, timeout_s=timeout_s
+        )
+        return store, None
+    try:
+        server = StoreServer(
             host,
             port,
-            world_size,
-            is_master=rank == 0,
-            timeout=timedelta(seconds=max(1.0, timeout_s / 3)),
-            wait_for_workers=False,
+            secret=secret,
+            trainer_id=trainer_id,
+            world_size=world_size,
+            handshake_timeout_s=min(HANDSHAKE_TIMEOUT_S, timeout_s),
         )
-        store.set_timeout(timedelta(seconds=timeout_s))
-        return store
+    except OSError as e:
+        raise RuntimeError(f"rank 0 could not listen on {host}:{port}: {e}") from e
+    server.store.set_timeout(timedelta(seconds=timeout_s))
+    return server.store, server
 
-    role = "listen on" if rank == 0 else "reach the trainer's store at"
-    opening = in_background(connect, name="wt-store-connect")
-    try:
-        return opening.result(timeout=timeout_s)
-    except FutureTimeout:
-        raise RuntimeError(
-            f"rank {rank} could not {role} {host}:{port} within {timeout_s:g}s (nothing "
-            "answered: the port is closed, or something other than a wt trainer listens there)"
-        ) from None
-    except Exception as e:
-        raise RuntimeError(f"rank {rank} could not {role} {host}:{port}: {e}") from e
+
+def _process_group(
+    store: dist.Store,
+    name: str,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout: timedelta,
+    host: str,
+    port: int,
+) -> Any:
+    """The gloo (CPU) or NCCL (CUDA) group over `store`; rank 0 first marks its end open."""
+    timeout_s = timeout.total_seconds()
+    if rank == 0:
+        store.set(_OPEN_KEY, "1")
+    prefixed = dist.PrefixStore(name, store)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    else:
+        gloo_opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        gloo_opts._timeout = timeout
+        iface = (
+            dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+            if _is_loopback(host)
+            else dist.ProcessGroupGloo.create_default_device()
+        )
+        gloo_opts._devices = [iface]
+        try:
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, gloo_opts)
+        except Exception as e:
+            raise RuntimeError(
+                f"rank {rank} of {world_size} failed to join group {name!r} at "
+                f"{host}:{port} within {timeout_s:g}s: {e}"
+            ) from e
+    return pg
 
 
 @dataclass
@@ -98,6 +132,7 @@ class StatelessGroup:
     store: dist.Store
     pg: Any
     timeout_s: float
+    server: StoreServer | None = None
 
     @classmethod
     def create(
@@ -107,45 +142,35 @@ class StatelessGroup:
         port: int,
         rank: int,
         world_size: int,
+        secret: str,
+        trainer_id: str = "",
         device: torch.device | str = "cpu",
         timeout_s: float = 300.0,
         name: str = "wt",
     ) -> StatelessGroup:
         """Join (rank 0: host) group `name` at `host:port`; blocks at most `timeout_s`.
 
-        `device` picks the library: gloo for CPU, NCCL for CUDA. Raises
-        `ValueError` for a rank outside `[0, world_size)` and the store's or
-        group's own error (naming the address) when the rendezvous fails.
+        Rank 0 listens on exactly `host:port` and admits each worker rank once,
+        after it proved `secret` for `trainer_id` (and proved it back); a worker
+        joins only a rank 0 that does. `device` picks the library: gloo for
+        CPU, NCCL for CUDA. Raises `ValueError` for a rank outside
+        `[0, world_size)` or an unusable `secret` (naming the field),
+        `StoreRefused` naming the address when a worker refuses the process
+        there or is refused by it, and the store's or group's own error
+        (naming the address) when the rendezvous fails.
         """
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside [0, {world_size})")
+        check_secret(secret, what="StatelessGroup.create")
         device = torch.device(device)
         timeout = timedelta(seconds=timeout_s)
-        store = _open_store(host, port, rank, world_size, timeout_s)
-        if rank == 0:
-            store.set(_OPEN_KEY, "1")
-        prefixed = dist.PrefixStore(name, store)
-        if device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-        else:
-            gloo_opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-            gloo_opts._timeout = timeout
-            iface = (
-                dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-                if _is_loopback(host)
-                else dist.ProcessGroupGloo.create_default_device()
-            )
-            gloo_opts._devices = [iface]
-            try:
-                pg = dist.ProcessGroupGloo(prefixed, rank, world_size, gloo_opts)
-            except Exception as e:
-                raise RuntimeError(
-                    f"rank {rank} of {world_size} failed to join group {name!r} at "
-                    f"{host}:{port} within {timeout_s:g}s: {e}"
-                ) from e
-        return cls(rank, world_size, device, store, pg, timeout_s)
+        store, server = _open_store(host, port, rank, world_size, timeout_s, secret, trainer_id)
+        try:
+            pg = _process_group(store, name, rank, world_size, device, timeout, host, port)
+        except BaseException:
+            _close_store(store, server)
+            raise
+        return cls(rank, world_size, device, store, pg, timeout_s, server)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
         """Start broadcasting `tensor` from `src`; returns the pending work."""
@@ -195,13 +220,49 @@ class StatelessGroup:
                 self.store.delete_key(_OPEN_KEY)
 
     def abort(self) -> None:
-        """Drop the group without waiting for collectives in flight."""
+        """Drop the group without waiting for collectives in flight; rank 0 stops
+        listening at once (the port can be bound again).
+
+        The aborted process group is kept alive until its collectives in
+        flight have timed out (`_bury`): its destructor waits for them while
+        holding the interpreter lock, so collecting it early froze the whole
+        process, for up to `timeout_s` (measured: 24 s of a 30 s timeout, at
+        an unrelated garbage collection).
+        """
         self._leave()
         with contextlib.suppress(Exception):  # the group is being discarded either way
             self.pg.abort()
+        _bury(self.pg, self.timeout_s)
+        _close_store(self.store, self.server)
 
     def close(self) -> None:
-        """Release the group after a clean run."""
+        """Release the group after a clean run; rank 0 stops listening at once."""
         self._leave()
         with contextlib.suppress(Exception):
             self.pg.shutdown()
+        _close_store(self.store, self.server)
+
+
+# Aborted process groups with the time after which their collectives have timed
+# out; destroying one before that blocks the process (see `StatelessGroup.abort`).
+_GRAVEYARD: list[tuple[float, Any]] = []
+_GRAVEYARD_LOCK = threading.Lock()
+
+
+def _bury(pg: Any, timeout_s: float) -> None:
+    """Keep `pg` referenced until `timeout_s` (plus a margin) has passed; drop the
+    ones buried earlier whose time is up."""
+    now = time.monotonic()
+    with _GRAVEYARD_LOCK:
+        due = [entry for entry in _GRAVEYARD if entry[0] <= now]
+        _GRAVEYARD[:] = [entry for entry in _GRAVEYARD if entry[0] > now]
+        _GRAVEYARD.append((now + timeout_s + 5.0, pg))
+    del due  # destroyed here, outside the lock: their collectives are over
+
+
+def _close_store(store: dist.Store, server: StoreServer | None) -> None:
+    """Close rank 0's server (listening socket and connections) or a worker's connection."""
+    if server is not None:
+        server.close()
+    if isinstance(store, RemoteStore):
+        store.close()

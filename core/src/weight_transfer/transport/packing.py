@@ -25,7 +25,8 @@ source iteration; `Unpacker` turns received buckets back into tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -92,11 +93,16 @@ class Bucket:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """A layout: the parameters, the buckets and, per parameter, its group's last bucket."""
+    """A layout: the parameters, the buckets and, per parameter, its group's last bucket.
+
+    `derived` holds what is computed once per plan from it (the digest
+    layouts of `digest.BucketDigests.of_plan`); it takes no part in equality.
+    """
 
     params: tuple[ParamMeta, ...]
     buckets: tuple[Bucket, ...]
     group_end: tuple[int, ...]
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def max_bucket_bytes(self) -> int:
@@ -113,14 +119,20 @@ def plan_buckets(
     buffer_bytes: int,
     min_bucket_bytes: int = 0,
     groups: Sequence[Sequence[str]] | None = None,
+    max_pieces: int | None = None,
 ) -> BucketPlan:
     """Lay `metas` out in buckets of at most `buffer_bytes` (see the module docstring).
 
     `groups` defaults to `layerwise_groups` of the names and must partition
-    them in metadata order.
+    them in metadata order. `max_pieces` (default: no limit) also closes a
+    bucket that holds that many pieces, as a full one is closed (a fixed
+    staging buffer keeps one digest per piece: `digest.DigestRoom`).
     """
     if buffer_bytes < ALIGNMENT:
         raise ValueError(f"buffer_bytes must be at least {ALIGNMENT}, got {buffer_bytes}")
+    if max_pieces is not None and max_pieces < 1:
+        raise ValueError(f"max_pieces must be at least 1, got {max_pieces}")
+    piece_limit = max_pieces or len(metas) + 1
     names = [m.name for m in metas]
     if groups is None:
         groups = layerwise_groups(names)
@@ -150,6 +162,8 @@ def plan_buckets(
             close()
         for i in members:
             size = metas[i].nbytes
+            if len(pieces) >= piece_limit:
+                close()
             if size == 0:  # an empty range fits in any bucket and never closes one
                 pieces.append(Piece(i, 0, 0, 0))
                 continue
@@ -203,6 +217,10 @@ class WireParams:
     packed_buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
     packed_num_buffers: int = 2
     packed_min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES
+    # Verified bytes: the trainer sends a digest of every piece, and each
+    # worker checks the bytes it received before the bucket is loaded
+    # (`digest.py`); a mismatch fails the round naming the parameter.
+    verify: bool = False
 
     def validate(self, what: str, *, staged: bool | None = None) -> None:
         """Raise `ValueError` naming the field, the value and the limit.
@@ -227,6 +245,8 @@ class WireParams:
             low=0,
             high=host_memory_bytes(),
         )
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"{what}: field 'verify' must be a bool, got {self.verify!r}")
         if self.packed if staged is None else staged:
             check_staging(
                 self.packed_buffer_size_bytes,
@@ -250,6 +270,7 @@ class WireParams:
             self.packed_buffer_size_bytes,
             self.packed_num_buffers,
             self.packed_min_bucket_bytes,
+            self.verify,
         )
 
 

@@ -8,7 +8,9 @@ either at once (a worker that rejects the payload does not leave the trainer
 waiting for the store timeout).
 
 Worker: `join_group(info, position, device)` joins as rank
-`rank_offset + position.global_index`.
+`rank_offset + position.global_index`. Behind a `FanOutClient` each replica
+gets its own `rank_offset` (`replica_payloads`): its workers' global indexes
+count from 0 within the replica.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from typing import Any
 import torch
 
 from weight_transfer.base import VLLMWeightSyncClient, WeightTransferInitInfo, trainer_device
+from weight_transfer.fleet import FanOutClient
 from weight_transfer.limits import check_int_range, check_timeout
 from weight_transfer.position import WorkerPosition
+from weight_transfer.transport.auth import check_secret, new_secret
 from weight_transfer.transport.futures import in_background, wait_for
 from weight_transfer.transport.group import StatelessGroup
 from weight_transfer.transport.wire import WireProtocolInfo
@@ -66,10 +70,16 @@ class GroupTrainerFields:
     def resolved_device(self) -> torch.device:
         return trainer_device(self.device)
 
-    def worker_group_fields(self, trainer_id: str) -> dict[str, Any]:
-        """The matching `GroupInitInfo` fields for the workers (rank offset 1)."""
+    def worker_group_fields(self, trainer_id: str, secret: str | None = None) -> dict[str, Any]:
+        """The matching `GroupInitInfo` fields for the workers (rank offset 1).
+
+        `secret` admits the workers to this rendezvous (`StatelessGroup`);
+        None draws a fresh one (`new_secret`): call this once per rendezvous and
+        send the same fields to every worker.
+        """
         return {
             "trainer_id": trainer_id,
+            "secret": new_secret() if secret is None else secret,
             "replace": self.replace_trainer,
             "master_address": self.master_address,
             "master_port": self.master_port,
@@ -85,6 +95,8 @@ class GroupInitInfo(WireProtocolInfo, WeightTransferInitInfo):
     """Worker init info of a backend built on a private group (trainer = rank 0).
 
     Declares core's wire protocol: group backends share core's layout and codec.
+    `secret` is the one the trainer drew for this rendezvous (`worker_group_fields`);
+    it is required, and kept out of `repr`.
     """
 
     master_address: str = field(kw_only=True)
@@ -95,6 +107,7 @@ class GroupInitInfo(WireProtocolInfo, WeightTransferInitInfo):
     transport: str = field(default="gloo", kw_only=True)
     trainer_id: str = field(default="", kw_only=True)
     replace: bool = field(default=False, kw_only=True)
+    secret: str = field(default="", kw_only=True, repr=False)
 
     def __post_init__(self) -> None:
         if self.transport not in ("gloo", "nccl"):
@@ -115,6 +128,7 @@ class GroupInitInfo(WireProtocolInfo, WeightTransferInitInfo):
         check_int_range(
             self.rank_offset, field="rank_offset", what="init_info", low=0, high=self.world_size - 1
         )
+        check_secret(self.secret, what="init_info")
 
 
 def trainer_rendezvous(
@@ -125,13 +139,21 @@ def trainer_rendezvous(
     On failure the rank-0 side is released as soon as its rendezvous thread
     returns, so a retry can bind the same port once that thread is done.
     """
-    rpc = in_background(lambda: client.init_weight_transfer_engine(payload), name="wt-init-rpc")
+    secret = check_secret(payload.get("secret"), what="payload")
+    fleet = fleet_of(client)
+    if fleet is None:
+        rpc = in_background(lambda: client.init_weight_transfer_engine(payload), name="wt-init-rpc")
+    else:
+        payloads = replica_payloads(payload, info.world_size, len(fleet.replicas))
+        rpc = in_background(lambda: fleet.init_replicas(payloads), name="wt-init-rpc")
     join = in_background(
         lambda: StatelessGroup.create(
             host=info.master_address,
             port=info.master_port,
             rank=0,
             world_size=info.world_size,
+            secret=secret,
+            trainer_id=str(payload.get("trainer_id", "")),
             device=info.resolved_device(),
             timeout_s=info.timeout_s,
         ),
@@ -147,6 +169,28 @@ def trainer_rendezvous(
         raise
     group: StatelessGroup = results["the rendezvous"]
     return group
+
+
+def fleet_of(client: Any) -> FanOutClient | None:
+    """The `FanOutClient` behind `client` (seen through `RoundClient` or not), if any."""
+    inner = getattr(client, "inner", client)
+    return inner if isinstance(inner, FanOutClient) else None
+
+
+def replica_payloads(
+    payload: dict[str, Any], world_size: int, replicas: int
+) -> list[dict[str, Any]]:
+    """Per replica, `payload` with its `rank_offset`: replica `r`'s workers are
+    ranks `1 + r * per_replica` onwards, where the `world_size - 1` workers
+    split evenly over the replicas."""
+    workers = world_size - 1
+    if workers % replicas:
+        raise ValueError(
+            f"field 'world_size' is {world_size}: its {workers} workers do not split evenly "
+            f"over the client's {replicas} replicas"
+        )
+    per_replica = workers // replicas
+    return [{**payload, "rank_offset": 1 + r * per_replica} for r in range(replicas)]
 
 
 def _abort_joined(join: Future[StatelessGroup]) -> None:
@@ -181,6 +225,8 @@ def join_group(
         port=info.master_port,
         rank=rank,
         world_size=info.world_size,
+        secret=info.secret,
+        trainer_id=info.trainer_id,
         device=device if info.transport == "nccl" else torch.device("cpu"),
         timeout_s=info.timeout_s,
     )

@@ -18,6 +18,17 @@ the pipeline to draining: queued loads are cancelled, the caller keeps
 receiving (the group stays aligned) and loads nothing more, and `finish()`
 raises `LoadFailed`. `close()` (always, in a `finally`) cancels queued loads
 and waits for a running one, bounded, so a rollback never races a load.
+
+Verified bytes: `received(k, buf, unpacker, digests)` is the one call a
+receive loop makes per bucket. It runs the test-only receive hooks
+(`digest.RECEIVE_HOOKS`), unpacks and queues the load; with the trainer's
+`digests` the queued task first checks the bucket's bytes in `buf`
+(`BucketDigests.check`) and loads nothing when they differ. `buf` is intact
+then, because the reuse rule waits for that very task before `buf` is
+received into again. Once a task fails, later tasks load nothing (a split
+tensor completed by a later bucket would carry the corrupt bytes), so
+nothing of a corrupt bucket reaches the model; `finish()` raises
+`LoadFailed` with the mismatch's message (bucket, parameter).
 """
 
 from __future__ import annotations
@@ -28,8 +39,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from weight_transfer.rounds import AlignedFailure, Transfer
+from weight_transfer.transport.digest import BucketDigests, DigestMismatch, run_receive_hooks
 from weight_transfer.transport.futures import all_settle
-from weight_transfer.transport.packing import RotatingBuffers
+from weight_transfer.transport.packing import RotatingBuffers, Unpacker
 
 __all__ = ["SendWindow", "LoadPipeline", "LoadFailed"]
 
@@ -95,6 +107,7 @@ class LoadPipeline:
         self.failure: BaseException | None = None
         self._loads: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._broken = False  # a task failed: later tasks load nothing
 
     @property
     def draining(self) -> bool:
@@ -115,7 +128,52 @@ class LoadPipeline:
             done.set_result(None)
             self._loads.append(done)
             return
-        self._loads.append(self._pool.submit(self.load, tensors))
+        self._loads.append(self._pool.submit(self._task, tensors, None))
+
+    def received(
+        self,
+        k: int,
+        buf: torch.Tensor,
+        unpacker: Unpacker,
+        digests: torch.Tensor | None = None,
+    ) -> None:
+        """Bucket `k` landed in `buf`: hooks, then (unless draining) unpack and queue
+        its load, checked first against the trainer's `digests` when given.
+
+        `digests` must not be reused by the caller (the check runs later, on
+        the loader thread).
+        """
+        run_receive_hooks(k, buf)
+        if self.failure is not None:
+            self.submit([])
+            return
+        tensors = unpacker.unpack(k, buf, view_horizon=self.horizon)
+        check: Callable[[], None] | None = None
+        if digests is not None:
+            verifier = BucketDigests.of_plan(unpacker.plan)
+
+            def check() -> None:
+                verifier.check(k, buf, digests)
+
+        if not tensors and check is None:
+            self.submit([])
+            return
+        self._loads.append(self._pool.submit(self._task, tensors, check))
+
+    def _task(
+        self, tensors: list[tuple[str, torch.Tensor]], check: Callable[[], None] | None
+    ) -> None:
+        """One queued bucket on the loader thread: its check, then its load."""
+        if self._broken:
+            return
+        try:
+            if check is not None:
+                check()
+            if tensors:
+                self.load(tensors)
+        except BaseException:
+            self._broken = True
+            raise
 
     def finish(self) -> None:
         """Wait for every load; raise `LoadFailed` if one failed."""
@@ -124,6 +182,8 @@ class LoadPipeline:
                 break
             if not future.cancelled():
                 self.failure = self._error_of(future)
+        if isinstance(self.failure, DigestMismatch):
+            raise LoadFailed(str(self.failure)) from self.failure
         if self.failure is not None:
             raise LoadFailed(
                 f"loading the received weights failed: {self.failure}"

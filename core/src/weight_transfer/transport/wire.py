@@ -26,7 +26,7 @@ __all__ = [
     "check_wire_protocol",
 ]
 
-WIRE_PROTOCOL_VERSION = 1
+WIRE_PROTOCOL_VERSION = 2  # 2: the authenticated store (`secret`), `verify`
 
 
 @dataclass

@@ -18,6 +18,9 @@
   the round is aborted before the error propagates.
 - `abort()`: restores the snapshot; the model serves exactly the weights it
   served before `begin()`.
+- `commit(keep_undo=True)` (a `Revertible`): the snapshot outlives the commit
+  until `revert()` restores it or `release()` drops it; until then it holds
+  what it references (on CPU the previous packed Linear weights).
 
 The snapshot copies the tensors a reload overwrites in place (see
 `weight_transfer.vllm.snapshot`): on CPU only embeddings, norms and lm_head (a
@@ -135,6 +138,7 @@ class VLLMLoader:
         self.vllm_config = vllm_config
         self.model_config = model_config if model_config is not None else vllm_config.model_config
         self.snapshot: ModelSnapshot | None = None
+        self._kept: ModelSnapshot | None = None  # a committed round's, for revert()
         self._lock = threading.Lock()
         self._device: torch.device | None = None
         self._modules: list[torch.nn.Module] = []
@@ -310,12 +314,13 @@ class VLLMLoader:
                     ):
                         bound.arguments[key] = value.clone()
 
-    def commit(self) -> None:
+    def commit(self, keep_undo: bool = False) -> None:
+        """Finalize the reload; with `keep_undo` the snapshot is kept for `revert()`."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         with self._lock:
             self._open = False
-            snapshot = self.snapshot
+            snapshot, self.snapshot = self.snapshot, None
             if snapshot is None:
                 return  # nothing was loaded: the model never changed
             try:
@@ -323,10 +328,29 @@ class VLLMLoader:
                     finalize_layerwise_reload(self.model, self.model_config)
             except BaseException:
                 snapshot.restore()
-                raise
-            finally:
-                self.snapshot = None
                 snapshot.release()
+                raise
+            if keep_undo:
+                self._kept = snapshot
+            else:
+                snapshot.release()
+
+    def revert(self) -> None:
+        """Restore the kept snapshot: the model serves what it served before `begin()`."""
+        with self._lock:
+            kept, self._kept = self._kept, None
+            if kept is None:
+                raise RuntimeError("VLLMLoader.revert: no committed round was kept (keep_undo)")
+            try:
+                kept.restore()
+            finally:
+                kept.release()
+
+    def release(self) -> None:
+        with self._lock:
+            kept, self._kept = self._kept, None
+            if kept is not None:
+                kept.release()
 
     def _derived_only(self) -> set[str]:
         """Class names of layers that hold buffers but no parameters (rotary caches):

@@ -20,6 +20,12 @@ from views into that buffer and releases it once nothing refers to it any
 more (core's buffer-reuse rule). A trainer that fails while producing bucket
 `k` sends `ABORT(round_id, k)`. Frames of an older round are skipped, so a
 round that ends early on either side never leaves the link out of step.
+
+With `verify` (a wire parameter of the handshake), every staging buffer
+keeps its bucket's digests in its tail (`DigestRoom`: the layout plans the
+bucket bytes into the rest, at most `max_pieces` pieces per bucket); the
+trainer writes them before `READY`, and the worker checks the bucket against
+them before loading it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 from weight_transfer.backend import (
     RELEASED,
     BucketPlan,
+    DigestRoom,
     ParamListUpdateInfo,
     ParamMeta,
     WeightTransferInitInfo,
@@ -38,6 +45,7 @@ from weight_transfer.backend import (
     WireProtocolInfo,
     check_int_range,
     check_timeout,
+    plan_buckets,
     plan_per_tensor,
 )
 
@@ -46,6 +54,7 @@ __all__ = [
     "IPCUpdateInfo",
     "TrainerAbortedError",
     "plan_for",
+    "digest_room",
     "READY",
     "ABORT",
     "RELEASED",
@@ -98,6 +107,8 @@ class IPCWorkerInitInfo(WireProtocolInfo, WireParams, WeightTransferInitInfo):
                 f"{_MAX_SOCKET_PATH} bytes, got {path!r}"
             )
         check_int_range(self.trainer_pid, field="trainer_pid", what=what, low=1, high=2**31 - 1)
+        if self.verify:
+            digest_room(self, what)
         n = self.packed_num_buffers
         if self.plane == "shm" and len(self.segment_names) != n:
             raise ValueError(
@@ -124,8 +135,28 @@ class IPCUpdateInfo(ParamListUpdateInfo):
     round_id: int = 0
 
 
+def digest_room(wire: WireParams, what: str = "init_info") -> DigestRoom:
+    """Where each staging buffer keeps its bucket's digests (`verify`); `ValueError`
+    naming the field when the buffers are too small to hold any."""
+    try:
+        return DigestRoom.of(wire.packed_buffer_size_bytes)
+    except ValueError as error:
+        raise ValueError(f"{what}: {error}") from None
+
+
 def plan_for(metas: list[ParamMeta], wire: WireParams) -> BucketPlan:
-    """The round's layout in the staging buffers: packed, or one parameter per bucket."""
+    """The round's layout in the staging buffers: packed, or one parameter per bucket;
+    with `verify`, in the part of each buffer before its digest room."""
+    if not wire.verify:
+        if wire.packed:
+            return wire.packed_plan(metas)
+        return plan_per_tensor(metas, buffer_bytes=wire.packed_buffer_size_bytes)
+    room = digest_room(wire)
     if wire.packed:
-        return wire.packed_plan(metas)
-    return plan_per_tensor(metas, buffer_bytes=wire.packed_buffer_size_bytes)
+        return plan_buckets(
+            metas,
+            buffer_bytes=room.offset,
+            min_bucket_bytes=wire.packed_min_bucket_bytes,
+            max_pieces=room.max_pieces,
+        )
+    return plan_per_tensor(metas, buffer_bytes=room.offset)

@@ -10,7 +10,8 @@ Core's `ResyncTrainerEngine` drives the round; `transmit` is the data step:
 for each bucket `k`, wait until every worker released buffer `k % n`
 (`SendWindow` over `Credits` futures, which also watches the workers'
 `update_weights` and fails at once if a worker's link closes), pack the
-bucket into it, publish, send `READY`. A source that fails sends `ABORT`.
+bucket into it (with `verify`, its digests into the buffer's digest room),
+publish, send `READY`. A source that fails sends `ABORT`.
 Every frame names its round, so any failure other than a closed link leaves
 the link able to carry the next round.
 """
@@ -28,6 +29,7 @@ import torch
 from weight_transfer.backend import (
     PEER_GRACE_S,
     AlignedFailure,
+    BucketDigests,
     Credits,
     Frame,
     GroupChannel,
@@ -52,7 +54,15 @@ from weight_transfer.backend import (
     trainer_device,
 )
 from wt_ipc.planes import TrainerStaging
-from wt_ipc.protocol import ABORT, HELLO, MAX_WORKERS, READY, IPCWorkerInitInfo, plan_for
+from wt_ipc.protocol import (
+    ABORT,
+    HELLO,
+    MAX_WORKERS,
+    READY,
+    IPCWorkerInitInfo,
+    digest_room,
+    plan_for,
+)
 
 __all__ = ["IPCTrainerInitInfo", "IPCTrainerEngine"]
 
@@ -91,6 +101,8 @@ class IPCTrainerInitInfo(WireParams, TrainerInitInfo):
         check_timeout(self.timeout_s, field="timeout_s", what=what)
         check_int_range(self.num_workers, field="num_workers", what=what, low=1, high=MAX_WORKERS)
         self.validate(what, staged=True)
+        if self.verify:
+            digest_room(self, what)
 
     def resolved_device(self) -> torch.device:
         return trainer_device(self.device)
@@ -243,6 +255,8 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         staging = self.staging
         assert staging is not None
         round_id = self.round_id
+        room = digest_room(self.wire) if self.wire.verify else None
+        digests = BucketDigests.of_plan(plan) if room is not None else None
         with self.channel.on_wire("a round") as workers:
             workers.begin(round_id)
             window = SendWindow(RotatingBuffers.over(staging.slots), transfer)
@@ -257,6 +271,9 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
                     except Exception as error:
                         workers.send(Frame(ABORT, round_id, k, 0))
                         raise AlignedFailure(error) from error
+                    if room is not None and digests is not None:
+                        slot = staging.slots[k % len(staging.slots)]
+                        room.view(slot, len(bucket.pieces)).copy_(digests.of(k, out))
                     staging.publish()
                     workers.send(Frame(READY, round_id, k, bucket.nbytes))
                     window.sent(k, [workers.released(round_id, k)], [])

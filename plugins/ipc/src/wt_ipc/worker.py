@@ -8,6 +8,8 @@ every field against that process (`WorkerStaging.open`) and says hello.
 waits for `READY(k)`, hands views into buffer `k % n` to core's
 `LoadPipeline` (copies where the buffer-reuse rule forbids views, as for any
 bucketed backend) and releases each buffer as soon as nothing refers to it.
+With `verify`, the pipeline first checks the bucket against the digests the
+trainer left in the buffer's digest room (a mismatch drains the round).
 A load that fails drains the round (the worker keeps releasing, so the
 trainer finishes); an `ABORT` from the trainer, or its death (its socket
 closes), ends the round at once. Either way core's transaction rolls the
@@ -46,6 +48,7 @@ from wt_ipc.protocol import (
     IPCUpdateInfo,
     IPCWorkerInitInfo,
     TrainerAbortedError,
+    digest_room,
     plan_for,
 )
 
@@ -135,6 +138,8 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
                 released = upto
 
         unpacker = Unpacker(plan, staging.device)
+        assert self.wire is not None
+        room = digest_room(self.wire) if self.wire.verify else None
         pipeline = LoadPipeline(self.loader.load, len(slots), self.timeout_s, name="wt-ipc-load")
         try:
             for k, bucket in enumerate(plan.buckets):
@@ -153,9 +158,11 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
                         f"control link out of step: expected READY of bucket {k} "
                         f"({bucket.nbytes} bytes), got {frame}"
                     )
-                if not pipeline.draining:
-                    data = slots[k % len(slots)][: bucket.nbytes]
-                    pipeline.submit(unpacker.unpack(k, data, view_horizon=pipeline.horizon))
+                slot = slots[k % len(slots)]
+                digests = None
+                if room is not None and not pipeline.draining:  # a copy: the check runs later
+                    digests = room.view(slot, len(bucket.pieces)).clone()
+                pipeline.received(k, slot[: bucket.nbytes], unpacker, digests)
             try:
                 pipeline.finish()
             except LoadFailed as failed:

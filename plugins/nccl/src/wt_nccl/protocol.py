@@ -7,9 +7,11 @@ handshake only; `NCCLUpdateInfo` carries per-round metadata.
 
 One round on the wire, for each bucket `k` of `plan_for(...)` in order:
 a header broadcast `int64[k, status]`, then, if `status` is `OK`, the bucket's
-bytes. A trainer that fails while producing bucket `k` (a source that
-disagrees with its metadata, say) broadcasts `[k, ABORT]` instead, so every
-worker stops at the same point and the group stays aligned for the next round.
+bytes and, with `verify` (a wire parameter of the handshake), the digests of
+its pieces (`int64[pieces, 2]`, core's `BucketDigests`). A trainer that
+fails while producing bucket `k` (a source that disagrees with its metadata,
+say) broadcasts `[k, ABORT]` instead, so every worker stops at the same point
+and the group stays aligned for the next round.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ done, so packing `k + 1` overlaps broadcasting `k`), then broadcast its header
 `[k, OK]` and its bytes. If the source fails while bucket `k` is being packed,
 the sends in flight are drained and `[k, ABORT]` goes out instead, so every
 worker stops at the same collective and the group carries the next round.
+With `verify`, a third broadcast per bucket carries the digests of its pieces
+(`BucketDigests`, summed while the bytes go out).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from weight_transfer.backend import (
     AlignedFailure,
+    BucketDigests,
     GroupChannel,
     GroupTrainerFields,
     Packer,
@@ -94,13 +97,21 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
         init_info.validate("NCCLTrainerInitInfo")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
         if engine.is_sender:
-            payload = payload_of(
-                NCCLWorkerInitInfo(
-                    **init_info.worker_group_fields(engine.trainer_id), **vars(init_info.wire)
-                )
-            )
-            engine.channel.connect(trainer_rendezvous(engine.client, payload, init_info))
+            engine.connect()
         return engine
+
+    def connect(self) -> None:
+        """Host the group's rendezvous while every worker joins (their init runs concurrently)."""
+        info = self.info
+        payload = payload_of(
+            NCCLWorkerInitInfo(**info.worker_group_fields(self.trainer_id), **vars(info.wire))
+        )
+        self.channel.connect(trainer_rendezvous(self.client, payload, info))
+
+    def reconnect(self) -> None:
+        """Re-form the group with every worker (at a round boundary), on the same port."""
+        self.channel.close("it is being re-formed")
+        self.connect()
 
     def check_ready(self) -> None:
         self.channel.require()
@@ -118,6 +129,7 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
         transfer: Transfer,
     ) -> None:
         plan = self.plan_for(metas)
+        digests = BucketDigests.of_plan(plan) if self.wire.verify else None
         with self.channel.on_wire("a broadcast") as group:
             window = SendWindow(self._buffers, transfer)
             packer = Packer(pairs)
@@ -136,7 +148,12 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
                 head = header(k, HEADER_OK, self.device)
                 what = f"the broadcast of bucket {k}"
                 sends = [work_future(group.broadcast(t), what) for t in (head, out)]
-                window.sent(k, sends, [head, out])
+                keep = [head, out]
+                if digests is not None:  # summed while the bytes go out, sent after them
+                    sums = digests.of(k, out)
+                    sends.append(work_future(group.broadcast(sums), f"the digests of bucket {k}"))
+                    keep.append(sums)
+                window.sent(k, sends, keep)
                 transfer.chunk_moved(bucket.nbytes)
             if not plan.buckets:
                 packer.exhaust()

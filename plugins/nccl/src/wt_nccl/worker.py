@@ -6,11 +6,15 @@ while the next one is received (on CPU the load into a live model costs more
 than the wire). Tensors are views into the buffer when the buffer-reuse rule
 allows it and copies otherwise (`Unpacker`'s `view_horizon`).
 
-Failure: a load that fails makes the pipeline drain the rest of the round (the
-group stays aligned), then the round raises; an abort notice from the trainer
+With `verify`, each bucket's digests follow its bytes; the pipeline checks the
+bucket against them before loading it (`LoadPipeline.received`).
+
+Failure: a load that fails, or a bucket whose bytes differ from the trainer's
+digests, makes the pipeline drain the rest of the round (the group stays
+aligned), then the round raises; an abort notice from the trainer
 raises at once. Either way core's transaction rolls the model back. Anything
-else on the wire tears the group down (`GroupChannel.on_wire`): the trainer
-must `trainer_init` again.
+else on the wire tears the group down (`GroupChannel.on_wire`); the next start
+is refused for want of a group, and the trainer re-forms it (`reconnect`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 
 from weight_transfer.backend import (
+    DIGEST_DTYPE,
     AlignedFailure,
     GroupChannel,
     LoadFailed,
@@ -77,7 +82,9 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
             self._buffers = RotatingBuffers(self.wire.packed_num_buffers, group.device)
 
     def start_weight_update(self) -> None:
-        """Nothing beyond core's transaction (the loader has begun)."""
+        """Refuse a round without a group (a restarted engine, one whose group was
+        torn down): the trainer re-forms the group and starts again."""
+        self.channel.require()
 
     def receive_weights(self, update_info: NCCLUpdateInfo) -> None:
         wire, buffers = self.wire, self._buffers
@@ -110,8 +117,13 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
                     else:
                         data = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
                     group.wait(group.broadcast(data), f"bucket {k}")
-                    if not pipeline.draining:
-                        pipeline.submit(unpacker.unpack(k, data, view_horizon=pipeline.horizon))
+                    digests = None
+                    if wire.verify:  # received even while draining: the wire stays in step
+                        digests = torch.empty(
+                            len(bucket.pieces), 2, dtype=DIGEST_DTYPE, device=group.device
+                        )
+                        group.wait(group.broadcast(digests), f"the digests of bucket {k}")
+                    pipeline.received(k, data, unpacker, digests)
                 try:
                     pipeline.finish()
                 except LoadFailed as failed:

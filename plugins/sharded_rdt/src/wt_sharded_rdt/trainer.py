@@ -308,6 +308,11 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
         }
         wait_for(calls, self.info.timeout_s + _RPC_GRACE_S)
 
+    def reconnect(self) -> None:
+        """Send every replica its handshake again (a restarted one joins; the others
+        re-plan against the same producers)."""
+        self._attach_workers()
+
     # -- one sync ----------------------------------------------------------------
     def send_weights(
         self, weight_version: str | None = None, *, live_consumers: Collection[int] | None = None

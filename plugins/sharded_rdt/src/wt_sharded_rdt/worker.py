@@ -169,7 +169,9 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
 
     # -- one sync -----------------------------------------------------------------
     def start_weight_update(self) -> None:
-        """Nothing beyond core's transaction (the loader has begun)."""
+        """Refuse a round without producers to pull from (a restarted engine): the
+        trainer then sends this replica its handshake again and starts over."""
+        self.channel.require()
 
     def receive_weights(self, update_info: ShardedRDTUpdateInfo) -> None:
         info, plan = self.info, self.plan

@@ -1,0 +1,475 @@
+"""All-or-nothing rounds across inference replicas: `FanOutClient`.
+
+A fleet round moves every replica to the new weights and version label, or
+none: if any replica fails in any phase, every replica ends the round on its
+previous weights and label, and `FleetError` names the replica and the phase.
+Each phase runs on every replica at once:
+
+1. **start**: read each replica's version label (clients with
+   `weight_version()`), `start_weight_update` (the replica's client pauses
+   generation), then `{HOLD_FIELD: True}`: the replica's commit will keep its
+   undo record. A failure: every replica whose round opened is aborted in
+   band (`ABORT_FIELD`), which rolls it back and resumes its generation.
+2. **update**: each `update_weights` on every replica. The first failure is
+   raised at once: the trainer's transmit step is waiting on this call and
+   must stop sending, so that replicas still receiving fail too. The other
+   calls settle in the background, then every replica whose round is still
+   open is aborted in band. `round_failed` (the trainer's round calls it on
+   any failure) and the next start wait for that, bounded.
+3. **finish**: `finish_weight_update(version)` everywhere; each replica
+   commits and holds its undo record, and (clients with `resumes_on_request`)
+   stays paused, so no request runs on weights that may yet be reverted.
+   All succeeded: every replica resumes, then releases its record
+   (`RELEASE_FIELD`, in a round of its own that loads nothing and does not
+   pause generation). Any failed: every replica that finished reverts
+   (`REVERT_FIELD`, prefix cache reset, then resumed) and gets its previous
+   label back; every replica still in its round is aborted, and reverted
+   too if it holds a record (a finish whose answer was lost committed).
+
+A replica that cannot be reached to roll back (it died) is named in the
+error; a restarted one rejoins at the next round (see
+`TrainerWeightTransferEngine.reconnect`).
+
+Replica clients: any `VLLMWeightSyncClient`; the built-in ones
+(`HTTPVLLMWeightSyncClient`, `RayVLLMWeightSyncClient` per handle,
+`LocalVLLMWeightSyncClient`) also restore version labels and run release
+rounds without pausing. `FanOutClient.http(urls)` and `FanOutClient.ray(handles)`
+build a fleet of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from typing import Any, TypeVar
+
+from weight_transfer.base import UpdatePayload
+from weight_transfer.clients import (
+    HTTPVLLMWeightSyncClient,
+    RayVLLMWeightSyncClient,
+    WeightSyncRPCError,
+)
+from weight_transfer.rounds import (
+    ABORT_FIELD,
+    ABORTED_ON_REQUEST,
+    DEFAULT_TIMEOUT_S,
+    HOLD_FIELD,
+    NOTHING_HELD,
+    RELEASE_FIELD,
+    REVERT_FIELD,
+    round_left_open,
+)
+from weight_transfer.transport.futures import PEER_GRACE_S, in_background
+
+__all__ = ["FanOutClient", "FleetError", "PHASES"]
+
+logger = logging.getLogger("weight_transfer")
+
+T = TypeVar("T")
+PHASES = ("init", "start", "update", "finish")
+# How hosts refuse an update when their round is already closed (vLLM's worker,
+# WorkerSession, the engine base): an abort then has nothing left to do.
+_NO_ROUND_MARKERS = ("must be called before update_weights", "without a matching start")
+
+
+class FleetError(WeightSyncRPCError):
+    """A fleet round failed: `phase` (one of `PHASES`), `replica` (its index), `cause`.
+
+    Every replica the fleet could reach is back on its previous weights and
+    label; `unrecovered` names any it could not roll back.
+    """
+
+    def __init__(
+        self,
+        phase: str,
+        replica: int,
+        name: str,
+        cause: BaseException,
+        unrecovered: list[str],
+        *,
+        rolling_back: bool = False,
+    ) -> None:
+        self.phase = phase
+        self.replica = replica
+        self.name = name
+        self.cause = cause
+        self.unrecovered = list(unrecovered)
+        self.rolling_back = rolling_back
+        super().__init__(f"{phase} phase", self._detail())
+
+    def _detail(self) -> str:
+        detail = f"replica {self.replica} ({self.name}): {type(self.cause).__name__}: {self.cause}"
+        if self.unrecovered:
+            return detail + "; NOT rolled back: " + "; ".join(self.unrecovered)
+        if self.rolling_back:
+            return detail + "; every replica is being rolled back to its previous weights"
+        if self.phase != "init":
+            return detail + "; every replica is back on its previous weights"
+        return detail
+
+    def add_unrecovered(self, failures: list[str]) -> None:
+        """Record rollbacks that failed after this error was raised (the message follows)."""
+        self.unrecovered += failures
+        self.detail = self._detail()
+        self.args = (f"{self.method} failed on the inference side: {self.detail}",)
+
+
+def _answered(error: BaseException, markers: Sequence[str]) -> bool:
+    return any(marker in str(error) for marker in markers)
+
+
+class FanOutClient:
+    """Several inference engines (replicas) as one client, all-or-nothing; see the module doc.
+
+    `replicas` are the clients, in replica order (a backend whose handshake
+    differs per replica calls them one by one, or `init_replicas`). `names`
+    label them in errors (default: a client's `base_url`, else its index).
+    `timeout_s` bounds each wait for the replicas' calls (each client also
+    bounds its own). With `all_or_nothing=False` calls are only fanned out.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[Any],
+        *,
+        names: Sequence[str] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        all_or_nothing: bool = True,
+    ) -> None:
+        if not replicas:
+            raise ValueError("FanOutClient needs at least one replica client")
+        if names is not None and len(names) != len(replicas):
+            raise ValueError(f"FanOutClient: {len(names)} names for {len(replicas)} replicas")
+        self.replicas = list(replicas)
+        self.names = list(names) if names is not None else [
+            str(getattr(r, "base_url", f"replica {i}")) for i, r in enumerate(replicas)
+        ]  # fmt: skip
+        self.timeout_s = timeout_s
+        self.all_or_nothing = all_or_nothing
+        self._lock = threading.Lock()  # guards _open and _settling
+        self._open: set[int] = set()  # replicas in the round
+        self._previous: list[str | None] = [None] * len(self.replicas)  # labels before it
+        self._settling: Future[list[str]] | None = None  # a failed update's rollback
+
+    @classmethod
+    def http(cls, urls: Sequence[str], **client_kwargs: Any) -> FanOutClient:
+        """A fleet of vLLM API servers, one `HTTPVLLMWeightSyncClient` per URL."""
+        return cls([HTTPVLLMWeightSyncClient(url, **client_kwargs) for url in urls])
+
+    @classmethod
+    def ray(cls, handles: Sequence[Any], **client_kwargs: Any) -> FanOutClient:
+        """A fleet of Ray actors, one `RayVLLMWeightSyncClient` per handle."""
+        return cls([RayVLLMWeightSyncClient(h, **client_kwargs) for h in handles])
+
+    # -- fanning out -------------------------------------------------------
+    def _fan(
+        self, what: str, call: Callable[[int, Any], T], which: Sequence[int]
+    ) -> dict[int, Future[T]]:
+        calls = {i: functools.partial(call, i, self.replicas[i]) for i in which}
+        return {i: in_background(c, name=f"wt-fleet-{what}-{i}") for i, c in calls.items()}
+
+    def _settle(self, futures: dict[int, Future[T]]) -> None:
+        """Wait for every call, bounded; a call still running then counts as failed."""
+        wait(list(futures.values()), timeout=self.timeout_s)
+
+    def _outcome(self, future: Future[Any]) -> BaseException | None:
+        if not future.done():
+            return TimeoutError(f"no answer within {self.timeout_s:g}s")
+        return future.exception()
+
+    def _first_failure(self, futures: dict[int, Future[Any]]) -> tuple[int, BaseException] | None:
+        for i, future in futures.items():
+            error = self._outcome(future)
+            if error is not None:
+                return i, error
+        return None
+
+    def _each(self, what: str, call: Callable[[int, Any], T]) -> list[T]:
+        """Run `call` on every replica; raise the first failure once all are done."""
+        futures = self._fan(what, call, self.indexes)
+        self._settle(futures)
+        failed = self._first_failure(futures)
+        if failed is not None:
+            i, error = failed
+            raise WeightSyncRPCError(what, f"replica {i} ({self.names[i]}): {error}") from error
+        return [futures[i].result() for i in self.indexes]
+
+    def _fail_fast(self, futures: dict[int, Future[Any]]) -> tuple[int, BaseException] | None:
+        """Wait until every call is done or one failed (bounded); the first failure,
+        where a call still running at the bound counts as one."""
+        wait(list(futures.values()), timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
+        failed = self._first_failure({i: f for i, f in futures.items() if f.done()})
+        if failed is None and not all(f.done() for f in futures.values()):
+            running = next(i for i, f in futures.items() if not f.done())
+            failed = running, TimeoutError(f"no answer within {self.timeout_s:g}s")
+        return failed
+
+    @property
+    def indexes(self) -> list[int]:
+        return list(range(len(self.replicas)))
+
+    # -- the four calls --------------------------------------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """The same handshake on every replica; the first failure raises at once."""
+        self.init_replicas([init_info] * len(self.replicas))
+
+    def init_replicas(self, payloads: Sequence[dict[str, Any]]) -> None:
+        """Replica `i` gets `payloads[i]`. The first failure raises at once (the
+        trainer hosting a rendezvous must stop waiting); the rest go on."""
+        if len(payloads) != len(self.replicas):
+            raise ValueError(f"{len(payloads)} init payloads for {len(self.replicas)} replicas")
+        futures = self._fan(
+            "init", lambda i, r: r.init_weight_transfer_engine(payloads[i]), self.indexes
+        )
+        failed = self._fail_fast(futures)
+        if failed is not None:
+            i, error = failed
+            raise FleetError("init", i, self.names[i], error, []) from error
+
+    def start_weight_update(self) -> None:
+        """Start the round on every replica and ask each to hold its commit.
+
+        Waits first for the rollback of a failed round (bounded). Raises
+        `FleetError("start", ...)` with every replica back out of the round.
+        """
+        unrecovered = self._wait_settled()
+        if unrecovered:
+            logger.warning("the last failed round left replicas open: %s", "; ".join(unrecovered))
+        if not self.all_or_nothing:
+            self._each("start_weight_update", lambda i, r: _start(r))
+            return
+        labels = self._fan("weight_version", lambda i, r: _weight_version(r), self.indexes)
+        self._settle(labels)
+        failed = self._first_failure(labels)
+        if failed is not None:  # nothing has started anywhere
+            self._fail("start", *failed, unrecovered=[])
+        self._previous = [labels[i].result() for i in self.indexes]
+        starts = self._fan("start", lambda i, r: _start(r), self.indexes)
+        self._settle(starts)
+        with self._lock:
+            self._open = set(self.indexes)  # a start whose answer was lost may have opened one
+        failed = self._first_failure(starts)
+        if failed is None:
+            holds = self._fan(
+                "hold", lambda i, r: r.update_weights({HOLD_FIELD: True}), self.indexes
+            )
+            self._settle(holds)
+            failed = self._first_failure(holds)
+        if failed is not None:
+            # Nothing was loaded yet: a replica that cannot be aborted now serves
+            # its previous weights, and its engine rolls the empty round back.
+            for failure in self._abort(self._take_open(), "the start phase failed"):
+                logger.warning("%s (it loaded nothing; its round expires)", failure)
+            self._fail("start", *failed, unrecovered=[])
+
+    def update_weights(self, update_info: UpdatePayload) -> None:
+        """`update_info` on every replica in the round.
+
+        The first failure raises `FleetError("update", ...)` at once, while the
+        other calls settle and every replica is aborted in the background;
+        `round_failed` and the next start wait for that rollback.
+        """
+        if not self.all_or_nothing:
+            self._each("update_weights", lambda i, r: r.update_weights(update_info))
+            return
+        calls = self._fan("update", lambda i, r: r.update_weights(update_info), self._in_round())
+        failed = self._fail_fast(calls)
+        if failed is None:
+            return
+        aborting = self._take_open()
+
+        def settle_then_abort() -> list[str]:
+            self._settle(calls)  # then abort all: a call that failed on the way may have arrived
+            return self._abort(aborting, "another replica failed its update")
+
+        with self._lock:
+            self._settling = in_background(settle_then_abort, name="wt-fleet-settle")
+        i, error = failed
+        raise FleetError("update", i, self.names[i], error, [], rolling_back=True) from error
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Commit on every replica, then resume and release each; or, if any
+        failed, revert every replica and raise `FleetError("finish", ...)`."""
+        if not self.all_or_nothing:
+            self._each("finish_weight_update", lambda i, r: _finish(r, weight_version))
+            return
+        self._wait_settled()
+        which = self._in_round()
+        finishes = self._fan("finish", lambda i, r: _finish(r, weight_version), which)
+        self._settle(finishes)
+        self._take_open()
+        finished = {i for i, f in finishes.items() if self._outcome(f) is None}
+        failed = self._first_failure(finishes)
+        if failed is None:
+            resumes = self._fan("resume", lambda i, r: _resume(r), sorted(finished))
+            self._settle(resumes)
+            for failure in self._failures("resume", resumes):
+                logger.warning("%s (resume_generation() resumes it)", failure)
+            self._release(finished)
+            return
+        unsure = set(which) - finished  # a finish whose answer was lost may have committed
+        unrecovered = self._revert(finished, required=True) + self._revert(unsure, required=False)
+        self._fail("finish", *failed, unrecovered=unrecovered)
+
+    # -- ending rounds ---------------------------------------------------
+    def round_failed(self, error: BaseException) -> None:
+        """The trainer's round failed: wait for the rollback under way (bounded)
+        and abort any replica still in the round. What could not be rolled back
+        is added to `error` when it is this fleet's `FleetError`."""
+        if not self.all_or_nothing:
+            return
+        unrecovered = self._wait_settled()
+        unrecovered += self._abort(self._take_open(), f"the trainer's round failed: {error}")
+        if unrecovered:
+            if isinstance(error, FleetError):
+                error.add_unrecovered(unrecovered)
+            logger.error("replicas not rolled back after %s: %s", error, "; ".join(unrecovered))
+
+    def _in_round(self) -> list[int]:
+        with self._lock:
+            which = sorted(self._open)
+        if not which:
+            raise RuntimeError(
+                "no replica is in a round (start_weight_update first; a failed round has ended)"
+            )
+        return which
+
+    def _take_open(self) -> list[int]:
+        """The replicas in the round, which from now on is over."""
+        with self._lock:
+            which, self._open = sorted(self._open), set()
+        return which
+
+    def _wait_settled(self) -> list[str]:
+        with self._lock:
+            settling, self._settling = self._settling, None
+        if settling is None:
+            return []
+        try:  # it waits for the calls, then for the aborts: each bounded by timeout_s
+            return settling.result(timeout=2 * self.timeout_s + PEER_GRACE_S)
+        except Exception as e:
+            return [f"the rollback did not finish: {e}"]
+
+    def _fail(self, phase: str, i: int, error: BaseException, *, unrecovered: list[str]) -> None:
+        raise FleetError(phase, i, self.names[i], error, unrecovered) from error
+
+    def _abort(self, which: Sequence[int], reason: str) -> list[str]:
+        """Abort the round on `which`; what could not be aborted."""
+        aborts = self._fan("abort", lambda i, r: _abort(r, reason), which)
+        self._settle(aborts)
+        return self._failures("abort", aborts)
+
+    def _revert(self, which: set[int], *, required: bool) -> list[str]:
+        """Revert `which` to their held records and labels. Not `required`: a
+        replica holding nothing (it never committed) is fine. Generation on
+        them is paused (a finish that keeps it paused) and resumed after."""
+        accept = () if required else (NOTHING_HELD,)
+
+        def revert(i: int, replica: Any) -> None:
+            paused = bool(getattr(replica, "resumes_on_request", False))
+            payload = {REVERT_FIELD: "another replica failed"}
+            _control_round(replica, payload, accept, paused=paused)
+            _set_weight_version(replica, self._previous[i])
+
+        reverts = self._fan("revert", revert, sorted(which))
+        self._settle(reverts)
+        return self._failures("revert", reverts)
+
+    def _release(self, which: set[int]) -> None:
+        payload = {RELEASE_FIELD: "every replica finished"}
+        releases = self._fan("release", lambda i, r: _control_round(r, payload), sorted(which))
+        self._settle(releases)
+        for failure in self._failures("release", releases):
+            logger.warning("%s (it keeps its undo record until its next round loads)", failure)
+
+    def _failures(self, what: str, futures: dict[int, Future[Any]]) -> list[str]:
+        failures = []
+        for i, future in futures.items():
+            error = self._outcome(future)
+            if error is not None:
+                failures.append(f"{what} of replica {i} ({self.names[i]}) failed: {error}")
+        return failures
+
+    # -- beyond the round ----------------------------------------------------
+    def resume_generation(self) -> None:
+        """Resume generation on every replica (after a trainer died mid-round)."""
+        self._each("resume_generation", lambda i, r: r.resume_generation())
+
+    def weight_versions(self) -> list[str | None]:
+        """Every replica's version label (None where its client cannot read it)."""
+        return self._each("weight_version", lambda i, r: _weight_version(r))
+
+
+# -- one replica ---------------------------------------------------------------
+def _start(replica: Any) -> None:
+    """Start a round; one left open there (a trainer that died in it) is aborted first."""
+    try:
+        replica.start_weight_update()
+    except Exception as error:
+        if not round_left_open(error):
+            raise
+        _abort(replica, "a new round starts while this one was left open")
+        replica.start_weight_update()
+
+
+def _finish(replica: Any, weight_version: str | None) -> None:
+    """Finish; a client that can keeps generation paused until `_resume` (the fleet decides)."""
+    if getattr(replica, "resumes_on_request", False):
+        replica.finish_weight_update(weight_version, resume=False)
+    elif weight_version is None:
+        replica.finish_weight_update()
+    else:
+        replica.finish_weight_update(weight_version)
+
+
+def _resume(replica: Any) -> None:
+    if getattr(replica, "resumes_on_request", False):
+        replica.resume_generation()
+
+
+def _abort(replica: Any, reason: str) -> None:
+    """End the replica's round, rolling it back; a round already closed is fine."""
+    try:
+        replica.update_weights({ABORT_FIELD: reason})
+    except Exception as error:
+        if not _answered(error, (ABORTED_ON_REQUEST, *_NO_ROUND_MARKERS)):
+            raise
+        return
+    raise RuntimeError("the replica accepted an abort as an update: its engine is not a wt engine")
+
+
+def _control_round(
+    replica: Any, payload: dict[str, Any], accept: Sequence[str] = (), *, paused: bool = False
+) -> None:
+    """A round that carries one in-band control and loads nothing: start, the
+    control, finish; a refusal naming one of `accept` is an answer too.
+    `paused`: the replica's generation is paused already (the client resumes it)."""
+    run = getattr(replica, "control_round", None)
+    if callable(run):
+        run(payload, accept, paused=paused)
+        return
+    _start(replica)
+    try:
+        replica.update_weights(payload)
+    except Exception as error:
+        if _answered(error, accept):
+            return
+        raise
+    replica.finish_weight_update()
+
+
+def _weight_version(replica: Any) -> str | None:
+    """The replica's label: a client's `weight_version()`, a session's attribute."""
+    label = getattr(replica, "weight_version", None)
+    if callable(label):
+        label = label()
+    return None if label is None else str(label)
+
+
+def _set_weight_version(replica: Any, version: str | None) -> None:
+    write = getattr(replica, "set_weight_version", None)
+    if version is not None and callable(write):
+        write(version)

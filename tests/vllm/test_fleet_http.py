@@ -1,0 +1,158 @@
+"""Fleet guarantees against three live vLLM API servers on 127.0.0.1 (wt_nccl over gloo).
+
+One trainer hosts a group of 1 + 3 ranks; `FanOutClient.http` reaches the
+three servers. A failure is injected at one replica in each phase in turn;
+afterwards all three must serve tokens equal to a fresh engine loaded from the
+previous weights, with the previous version label, and the next sync must move
+all three. Then a replica is killed (SIGKILL of the process group this test
+started) and restarted as a new process on its port: it rejoins at the next
+sync (the group is re-formed) without the trainer restarting, while the others
+keep serving.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.faults import FaultyReplica
+from tests.vllm.conftest import (
+    INITIAL_SEED,
+    References,
+    SwitchSource,
+    TinyDirs,
+    hf_model,
+    require_backend,
+)
+from tests.vllm.test_http import Server, Traffic
+from weight_transfer import (
+    FanOutClient,
+    FleetError,
+    ModuleSource,
+    WeightTransferTrainerFactory,
+)
+from weight_transfer.transport.group import free_port
+
+pytest.importorskip("vllm")
+pytest.importorskip("httpx")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+REPLICAS = 3
+
+
+class Fleet:
+    def __init__(self, dirs: TinyDirs, logs: str) -> None:
+        self.dirs, self.logs = dirs, logs
+        self.servers = [
+            Server(dirs[INITIAL_SEED], os.path.join(logs, f"replica{i}.log"))
+            for i in range(REPLICAS)
+        ]
+        for server in self.servers:
+            server.wait_ready()
+        base = FanOutClient.http([s.url for s in self.servers], timeout=120.0)
+        self.clients = [FaultyReplica(c) for c in base.replicas]
+        self.client = FanOutClient(self.clients, names=base.names, timeout_s=120.0)
+        self.source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
+        self.trainer = WeightTransferTrainerFactory.trainer_init(
+            _nccl_info(), client=self.client, source=self.source
+        )
+
+    def sync(self, seed: int, version: str) -> None:
+        self.source.inner = ModuleSource(hf_model(seed))
+        self.trainer.send_weights(weight_version=version)
+
+    def assert_serving(self, references: References, seed: int, version: str) -> None:
+        expected = references.outputs(seed)
+        for i, server in enumerate(self.servers):
+            assert server.generate() == expected, f"replica {i} does not serve seed {seed}"
+            assert server.weight_version() == version, f"replica {i}"
+            assert not self.clients[i].is_paused(), f"replica {i} was left paused"
+
+    def restart(self, i: int) -> None:
+        """Kill replica `i` (its server and engine) and start a new process on its port."""
+        old = self.servers[i]
+        os.killpg(old.proc.pid, signal.SIGKILL)
+        old.proc.wait(30)
+        old.stop()
+        self.servers[i] = Server(self.dirs[INITIAL_SEED], old.log_path, port=old.port)
+
+    def stop(self) -> None:
+        self.trainer.shutdown()
+        for client in self.clients:
+            client.close()
+        for server in self.servers:
+            server.stop()
+
+
+def _nccl_info() -> Any:
+    from wt_nccl import NCCLTrainerInitInfo
+
+    return NCCLTrainerInitInfo(
+        "127.0.0.1",
+        free_port(),
+        1 + REPLICAS,
+        rank=0,
+        timeout_s=60.0,
+        device="cpu",
+        packed_buffer_size_bytes=256 << 10,
+        packed_min_bucket_bytes=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_dirs: TinyDirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    require_backend("nccl")
+    f = Fleet(tiny_dirs, str(tmp_path_factory.mktemp("fleet")))
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+FAULTS = [("start", "unreachable", 0), ("update", "refused", 1), ("finish", "lost", 2)]
+
+
+def test_fleet_all_or_nothing_in_every_phase(fleet: Fleet, references: References) -> None:
+    fleet.sync(2, "v2")
+    fleet.assert_serving(references, 2, "v2")
+    with Traffic(fleet.servers[1], max_s=600.0) as traffic:
+        for phase, how, replica in FAULTS:
+            fleet.clients[replica].fault = (phase, how)
+            with pytest.raises(FleetError) as failed:
+                fleet.sync(3, f"never-{phase}")
+            assert (failed.value.phase, failed.value.replica) == (phase, replica)
+            assert failed.value.unrecovered == []
+            assert fleet.servers[replica].url in str(failed.value)
+            fleet.assert_serving(references, 2, "v2")
+            fleet.sync(3, f"v3-after-{phase}")  # the next sync moves all three
+            fleet.assert_serving(references, 3, f"v3-after-{phase}")
+            fleet.sync(2, "v2")
+    assert traffic.failures == []
+    assert traffic.done >= len(FAULTS), traffic.done
+
+
+def test_a_restarted_replica_catches_up_at_the_next_sync(
+    fleet: Fleet, references: References
+) -> None:
+    fleet.sync(3, "before-restart")
+    fleet.restart(2)
+    with pytest.raises(FleetError) as failed:  # replica 2 is still starting
+        fleet.sync(2, "while-down")
+    assert (failed.value.phase, failed.value.replica) == ("start", 2)
+    for i in (0, 1):  # the others serve on, on their weights
+        assert fleet.servers[i].generate() == references.outputs(3)
+        assert fleet.servers[i].weight_version() == "before-restart"
+    fleet.servers[2].wait_ready()
+    assert fleet.servers[2].generate() == references.outputs(INITIAL_SEED)  # a fresh process
+    started = time.monotonic()
+    fleet.sync(2, "after-restart")  # re-forms the group, then moves all three
+    print(f"sync with re-formed group: {time.monotonic() - started:.1f}s")
+    fleet.assert_serving(references, 2, "after-restart")
+    fleet.sync(3, "steady")
+    fleet.assert_serving(references, 3, "steady")
