@@ -343,7 +343,7 @@ def test_a_killed_trainer_is_noticed_by_the_worker_within_seconds(stall_at: int)
             trainer.join(10)
         t0 = time.monotonic()
         client = p.client(timeout_s=60.0)
-        with pytest.raises(WeightSyncRPCError, match=r"no transfer group .*the trainer left"):
+        with pytest.raises(WeightSyncRPCError, match=r"no transfer group \(it was torn down after"):
             client.start_weight_update()  # answered once the worker's failed round has ended
         elapsed = time.monotonic() - t0
         assert elapsed < 5.0, f"the worker noticed the dead trainer after {elapsed:.1f}s"

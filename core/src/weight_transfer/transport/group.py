@@ -221,18 +221,10 @@ class StatelessGroup:
 
     def abort(self) -> None:
         """Drop the group without waiting for collectives in flight; rank 0 stops
-        listening at once (the port can be bound again).
-
-        The aborted process group is kept alive until its collectives in
-        flight have timed out (`_bury`): its destructor waits for them while
-        holding the interpreter lock, so collecting it early froze the whole
-        process, for up to `timeout_s` (measured: 24 s of a 30 s timeout, at
-        an unrelated garbage collection).
-        """
+        listening at once (the port can be bound again)."""
         self._leave()
         with contextlib.suppress(Exception):  # the group is being discarded either way
             self.pg.abort()
-        _bury(self.pg, self.timeout_s)
         _close_store(self.store, self.server)
 
     def close(self) -> None:
@@ -241,23 +233,6 @@ class StatelessGroup:
         with contextlib.suppress(Exception):
             self.pg.shutdown()
         _close_store(self.store, self.server)
-
-
-# Aborted process groups with the time after which their collectives have timed
-# out; destroying one before that blocks the process (see `StatelessGroup.abort`).
-_GRAVEYARD: list[tuple[float, Any]] = []
-_GRAVEYARD_LOCK = threading.Lock()
-
-
-def _bury(pg: Any, timeout_s: float) -> None:
-    """Keep `pg` referenced until `timeout_s` (plus a margin) has passed; drop the
-    ones buried earlier whose time is up."""
-    now = time.monotonic()
-    with _GRAVEYARD_LOCK:
-        due = [entry for entry in _GRAVEYARD if entry[0] <= now]
-        _GRAVEYARD[:] = [entry for entry in _GRAVEYARD if entry[0] > now]
-        _GRAVEYARD.append((now + timeout_s + 5.0, pg))
-    del due  # destroyed here, outside the lock: their collectives are over
 
 
 def _close_store(store: dist.Store, server: StoreServer | None) -> None:

@@ -57,7 +57,7 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
     ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.channel: GroupChannel[StatelessGroup] = GroupChannel(
-            "nccl", remedy="the trainer must run trainer_init again"
+            "nccl", remedy="the trainer re-forms the group at its next round (or run trainer_init)"
         )
         self.wire: WireParams | None = None
         self._buffers: RotatingBuffers | None = None
