@@ -15,14 +15,14 @@ class FaultyReplica:
     - "refused": the replica gets an update without its 'names' field and refuses it itself;
     - "lost": the replica does the call (a finish), but its answer is lost on the way back.
 
-    `unreachable_for_abort` makes the next in-band abort never arrive. Every
-    other attribute is the wrapped client's (pause, labels, control rounds).
+    `unreachable_for_aborts = n` makes the next `n` in-band aborts never arrive.
+    Every other attribute is the wrapped client's (pause, labels, control rounds).
     """
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.fault: tuple[str, str] | None = None
-        self.unreachable_for_abort = False
+        self.unreachable_for_aborts = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -41,8 +41,8 @@ class FaultyReplica:
 
     def update_weights(self, update_info: Any) -> None:
         aborting = isinstance(update_info, dict) and ABORT_FIELD in update_info
-        if aborting and self.unreachable_for_abort:
-            self.unreachable_for_abort = False
+        if aborting and self.unreachable_for_aborts > 0:
+            self.unreachable_for_aborts -= 1
             raise WeightSyncRPCError("update_weights", "ConnectError: connection refused")
         data = isinstance(update_info, dict) and "names" in update_info
         if data and self._trip("update") == "refused":

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from weight_transfer.control import SEAL_FIELD
+
 AUTHKEY = b"wt-tests"
 CALL_TIMEOUT_S = 120.0
 
@@ -198,9 +200,12 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
 _CORRUPTOR: list[Any] = []
 
 
-def corrupt_received(bucket: int | None, at: int = 0, mask: int = 0xFF) -> None:
-    """Flip byte `at` (xor `mask`) of bucket `bucket` as this process receives it, through
-    core's test-only transport hook (`digest.RECEIVE_HOOKS`); `None` removes the hook."""
+def corrupt_received(
+    bucket: int | None, at: int = 0, mask: int = 0xFF, add: list[int] | None = None
+) -> None:
+    """Flip byte `at` (xor `mask`) of bucket `bucket` as this process receives it, or with
+    `add`, add `add[i]` to the 32-bit word at byte `at + 4 i` (`at` a multiple of 4),
+    through core's test-only transport hook (`digest.RECEIVE_HOOKS`); `None` removes it."""
     from weight_transfer.transport.digest import RECEIVE_HOOKS
 
     for hook in _CORRUPTOR:
@@ -210,8 +215,13 @@ def corrupt_received(bucket: int | None, at: int = 0, mask: int = 0xFF) -> None:
         return
 
     def flip(k: int, buf: torch.Tensor) -> None:
-        if k == bucket:
+        if k != bucket:
+            return
+        if add is None:
             buf[at] ^= mask
+        else:
+            words = buf[at : at + 4 * len(add)].view(torch.int32)
+            words += torch.tensor(add, dtype=torch.int32, device=buf.device)
 
     RECEIVE_HOOKS.append(flip)
     _CORRUPTOR.append(flip)
@@ -302,13 +312,15 @@ def assert_received(pool: WorkerPool, tensors: dict[str, torch.Tensor]) -> None:
 
 
 class RecordingClient:
-    """Forwards to `inner`; keeps every handshake and update payload, and runs
-    `on_init(payload)` before forwarding a handshake."""
+    """Forwards to `inner`; keeps every handshake and update payload (a round's
+    seal, which carries no weights, apart in `seals`), and runs `on_init(payload)`
+    before forwarding a handshake."""
 
     def __init__(self, inner: Any, on_init: Any = None) -> None:
         self.inner = inner
         self.on_init = on_init
         self.payloads: list[Any] = []
+        self.seals: list[Any] = []
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.payloads.append(init_info)
@@ -320,7 +332,8 @@ class RecordingClient:
         self.inner.start_weight_update()
 
     def update_weights(self, update_info: Any) -> None:
-        self.payloads.append(update_info)
+        sealing = isinstance(update_info, dict) and SEAL_FIELD in update_info
+        (self.seals if sealing else self.payloads).append(update_info)
         self.inner.update_weights(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:

@@ -28,6 +28,7 @@ from weight_transfer import (
     WeightTransferUpdateRequest,
     WorkerSession,
 )
+from weight_transfer.control import SEAL_FIELD
 
 
 @dataclass
@@ -273,7 +274,9 @@ def test_local_client_drives_an_in_process_worker_end_to_end(tmp_path: Path) -> 
     )
     engine.send_weights()
     assert {n: digest(t) for n, t in worker_model.received.items()} == expected_digests(model)
-    assert [c for c, _ in llm.calls] == ["init", "start", "update", "finish", "reset_prefix_cache"]
+    calls = [c for c, _ in llm.calls]
+    assert calls == ["init", "start", "update", "update", "finish", "reset_prefix_cache"]
+    assert llm.calls[3][1] is not None and SEAL_FIELD in llm.calls[3][1]  # the trainer's seal
     assert llm.calls[0][1]["directory"] == str(tmp_path)
     assert llm.calls[2][1]["names"] == names
     assert not session.active

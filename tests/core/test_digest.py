@@ -1,9 +1,15 @@
 """Verified bytes on their own: the digest, per-bucket digests, the digest room, and the
-pipeline's check before a load (`weight_transfer.transport.digest`, `LoadPipeline.received`)."""
+pipeline's check before a load (`weight_transfer.transport.digest`, `LoadPipeline.received`).
+
+The detection tests change a bucket's 32-bit words by crafted and by random small patterns
+(the kind a plain weighted sum of the words misses) and require both lanes of every changed
+piece's digest to change."""
 
 from __future__ import annotations
 
+import random
 import struct
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -16,8 +22,8 @@ from weight_transfer.backend import (
     as_bytes,
     plan_buckets,
 )
+from weight_transfer.transport import digest as digest_module
 from weight_transfer.transport.digest import (
-    LARGE_BYTES,
     RECEIVE_HOOKS,
     WINDOW_WORDS,
     BucketDigests,
@@ -39,17 +45,29 @@ DTYPES = [
     torch.bool,
 ]
 
+MOD = 1 << 64
+
+
+def _mix(x: int) -> int:
+    u = x * digest_module.MIX % 2**32
+    m = u ^ (u >> 16)
+    return m - 2**32 if m >> 31 else m
+
 
 def reference(data: bytes) -> list[int]:
-    """The documented definition, in Python integers: S1, S2 of the little-endian words
-    (a zero-padded tail word last), modulo 2**64 as signed int64."""
+    """The documented definition, in Python integers: lanes A and B of the little-endian
+    signed words (a zero-padded unsigned tail word last), modulo 2**64 as signed int64."""
     m = len(data) // 4
     words = [struct.unpack_from("<i", data, 4 * i)[0] for i in range(m)]
     if len(data) % 4:
         words.append(int.from_bytes(data[4 * m :], "little"))
-    s1 = sum(words)
-    s2 = sum((i + 1) * w for i, w in enumerate(words))
-    return [(s + 2**63) % 2**64 - 2**63 for s in (s1, s2)]
+    a = b = 0
+    pa = pb = 1
+    for w in words:
+        a = (a + pa * w) % MOD
+        b = (b + pb * _mix(w)) % MOD
+        pa, pb = pa * digest_module.KA % MOD, pb * digest_module.KB % MOD
+    return [(s + 2**63) % MOD - 2**63 for s in (a, b)]
 
 
 def random_tensor(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:
@@ -66,15 +84,25 @@ def flipped(data: torch.Tensor, at: int, mask: int) -> torch.Tensor:
     return out
 
 
+def added(words: torch.Tensor, changes: Sequence[tuple[int, int]]) -> None:
+    """Add `delta` to int32 word `at` of `words` for each `(at, delta)` (distinct `at`),
+    wrapping."""
+    at = torch.tensor([a for a, _ in changes], dtype=torch.int64)
+    delta = torch.tensor([d for _, d in changes], dtype=torch.int64)
+    words[at] = ((words[at].to(torch.int64) + delta + 2**31) % 2**32 - 2**31).to(torch.int32)
+
+
 @pytest.mark.parametrize("nbytes", [0, 1, 2, 3, 4, 5, 63, 64, 1001, 300_001])
-def test_the_digest_is_the_documented_sums(nbytes: int) -> None:
+def test_the_digest_is_the_documented_lanes(nbytes: int) -> None:
     data = random_tensor(torch.uint8, nbytes, seed=nbytes)
     assert digest(data).tolist() == reference(data.numpy().tobytes())
 
 
-def test_the_sums_wrap_modulo_two_to_the_64_as_documented() -> None:
-    data = torch.full((3 << 20,), 0x7F, dtype=torch.uint8)  # S2 near 2**71: it wraps
+def test_a_piece_longer_than_a_chunk_has_the_documented_lanes() -> None:
+    data = random_tensor(torch.uint8, 4 * WINDOW_WORDS + 4003, seed=9)  # two chunks and a tail
     assert digest(data).tolist() == reference(data.numpy().tobytes())
+    constant = torch.full((4 * WINDOW_WORDS + 8,), 0x7F, dtype=torch.uint8)
+    assert digest(constant).tolist() == reference(constant.numpy().tobytes())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -96,6 +124,168 @@ def test_swapped_words_change_the_digest() -> None:
         swapped = words.clone()
         swapped[i], swapped[j] = words[j], words[i]
         assert not torch.equal(digest(swapped), base), (i, j)
+
+
+# ------------------------------------------- small patterns of changed words, in buckets
+
+# (relative word, delta) patterns; the first five leave both of the old digest's sums
+# (sum(w) and sum((i + 1) * w)) unchanged.
+CRAFTED = {
+    "+1-2+1": [(0, 1), (1, -2), (2, 1)],
+    "+1-2+1 at distance 7": [(0, 1), (7, -2), (14, 1)],
+    "+1-1-1+1": [(0, 1), (1, -1), (2, -1), (3, 1)],
+    "+k-2k+k, large k": [(0, 3 << 28), (1, -(6 << 28)), (2, 3 << 28)],
+    "+1-3+3-1": [(0, 1), (1, -3), (2, 3), (3, -1)],
+    "+k-k at distance 1": [(0, 5), (1, -5)],
+    "+k-k at distance 2": [(0, 1 << 20), (2, -(1 << 20))],
+    "+k-k at distance 16": [(0, -77), (16, 77)],
+    "+k-k at distance 1000": [(0, 1), (1000, -1)],
+    "+k-k at distance 4096": [(0, 1 << 30), (4096, -(1 << 30))],
+    "+k+k at distance 3": [(0, 9), (3, 9)],
+}
+
+
+def _word_bucket(seed: int = 0) -> tuple[object, torch.Tensor, list[tuple[int, int]]]:
+    """One bucket of float32 pieces of many sizes (windows of small ones, two large ones)
+    filled with random bytes, and each piece's (first word, words)."""
+    sizes = [3 + 131 * i for i in range(48)] + [WINDOW_WORDS + 77, 5000, WINDOW_WORDS]
+    metas = [ParamMeta(f"layers.{i // 8}.p{i}", torch.float32, (n,)) for i, n in enumerate(sizes)]
+    plan = plan_buckets(metas, buffer_bytes=64 << 20, min_bucket_bytes=64 << 20)
+    assert len(plan.buckets) == 1
+    bucket = plan.buckets[0]
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randint(0, 256, (bucket.nbytes,), dtype=torch.uint8, generator=g)
+    return plan, buf, [(p.offset // 4, p.nbytes // 4) for p in bucket.pieces]
+
+
+def _changed_pieces_detected(
+    plan: object, buf: torch.Tensor, changes: dict[int, list[tuple[int, int]]]
+) -> None:
+    """Apply `changes` (piece -> (bucket word, delta)) to a copy of `buf`: both lanes of
+    every changed piece's digest differ, and every other piece's digest is unchanged."""
+    digests = BucketDigests.of_plan(plan)  # type: ignore[arg-type]
+    base = digests.of(0, buf)
+    changed = buf.clone()
+    words = changed[: changed.numel() // 4 * 4].view(torch.int32)
+    added(words, [change for pattern in changes.values() for change in pattern])
+    got = digests.of(0, changed)
+    for j in range(base.shape[0]):
+        lanes_equal = (got[j] == base[j]).tolist()
+        if j in changes:
+            assert lanes_equal == [False, False], (j, changes[j])
+        else:
+            assert lanes_equal == [True, True], j
+
+
+@pytest.mark.parametrize("name", list(CRAFTED))
+def test_crafted_multi_word_patterns_change_the_digest_at_every_offset(name: str) -> None:
+    pattern = CRAFTED[name]
+    span = max(at for at, _ in pattern) + 1
+    plan, buf, pieces = _word_bucket()
+    for trial in range(24):  # 24 offsets in every piece that holds the pattern
+        changes = {}
+        for j, (first, count) in enumerate(pieces):
+            if count >= span:
+                offset = (trial * 7919 + j * 104729) % (count - span + 1)
+                if trial < 3:  # the first word, the last, and a block's end
+                    offset = [0, count - span, min(15, count - span)][trial]
+                changes[j] = [(first + offset + at, delta) for at, delta in pattern]
+        _changed_pieces_detected(plan, buf, changes)
+
+
+@pytest.mark.parametrize("name", ["+1-2+1", "+1-1-1+1", "+k-k at distance 1000"])
+def test_crafted_patterns_across_a_chunk_boundary_change_the_digest(name: str) -> None:
+    data = random_tensor(torch.int32, 2 * WINDOW_WORDS + 1005, seed=4)
+    base = digest(data)
+    for start in (WINDOW_WORDS - 3, WINDOW_WORDS - 1, WINDOW_WORDS, 2 * WINDOW_WORDS - 2):
+        changed = data.clone()
+        added(changed, [(start + at, delta) for at, delta in CRAFTED[name]])
+        assert (digest(changed) == base).tolist() == [False, False], start
+
+
+def test_pairs_at_distances_up_to_a_chunk_change_the_digest() -> None:
+    data = random_tensor(torch.int32, WINDOW_WORDS + 2000, seed=6)
+    base = digest(data)
+    for distance in (1, 2, 3, 4, 5, 8, 15, 16, 17, 64, 255, 256, 4096, 65536, WINDOW_WORDS):
+        for delta in (1, -1, 2, 1 << 16, -(1 << 31) + 1):
+            changed = data.clone()
+            added(changed, [(7, delta), (7 + distance, -delta)])
+            assert (digest(changed) == base).tolist() == [False, False], (distance, delta)
+
+
+def test_zeroed_runs_change_the_digest() -> None:
+    plan, buf, pieces = _word_bucket(seed=1)
+    for length in (2, 3, 4, 15, 16, 17, 100, 1000, 5000):
+        changed = buf.clone()
+        words = changed[: changed.numel() // 4 * 4].view(torch.int32)
+        hit = []
+        for j, (first, count) in enumerate(pieces):
+            if count >= length:
+                start = first + (j * 31) % (count - length + 1)
+                assert words[start : start + length].ne(0).any()
+                words[start : start + length] = 0
+                hit.append(j)
+        digests = BucketDigests.of_plan(plan)  # type: ignore[arg-type]
+        base, got = digests.of(0, buf), digests.of(0, changed)
+        for j in hit:
+            assert (got[j] == base[j]).tolist() == [False, False], (length, j)
+
+
+def test_a_word_moved_to_another_position_changes_the_digest() -> None:
+    data = random_tensor(torch.int32, 20_000, seed=8)
+    base = digest(data)
+    for i, j in [(0, 1), (0, 2), (5, 21), (100, 1100), (3, 19_999), (19_998, 4)]:
+        copied = data.clone()
+        copied[j] = data[i]  # a stale or misdirected word
+        moved = data.clone()  # word i taken out and put back at j, the words between shifted
+        lo, hi = min(i, j), max(i, j)
+        moved[lo : hi + 1] = data[lo : hi + 1].roll(1 if j < i else -1)
+        for changed in (copied, moved):
+            assert not torch.equal(changed, data)
+            assert (digest(changed) == base).tolist() == [False, False], (i, j)
+
+
+def _thue_morse(n: int) -> list[int]:
+    """+1/-1 by the parity of each index's bits: `prod(1 - x**(2**k) for k < log2(n))`."""
+    return [1 - 2 * (bin(i).count("1") % 2) for i in range(n)]
+
+
+def test_changes_that_lane_a_misses_are_caught_by_lane_b() -> None:
+    """Two documented misses of the linear lane: +-1 on 2**10 words in Thue-Morse order,
+    and the signs of four words at 0, 2**14, 2**15, 3 * 2**14 flipped (changes
+    2**31 * (1 - x**(2**14)) * (1 - x**(2**15)))."""
+    data = random_tensor(torch.int32, 3 * 2**14 + 1, seed=10)
+    at = [0, 2**14, 2**15, 3 * 2**14]
+    for i, negative in zip(at, [True, False, False, True], strict=True):
+        magnitude = int(data[i]) % 2**31
+        data[i] = -magnitude - 1 if negative else magnitude  # changes +2**31, -2**31, ...
+    base = digest(data)
+    morse = data.clone()
+    added(morse, [(100 + i, d) for i, d in enumerate(_thue_morse(1 << 10))])
+    signs = data.clone()
+    signs[at] ^= -(2**31)  # each sign bit flipped
+    for changed in (morse, signs):
+        assert (digest(changed) == base).tolist() == [True, False]
+
+
+def test_thousands_of_random_small_weight_patterns_change_the_digest() -> None:
+    """2 to 6 changed words within 8 or 64 words of each other or anywhere in a piece,
+    each by +-1..+-2**k (k random, up to 31): 60 trials x 51 pieces, seeded."""
+    plan, buf, pieces = _word_bucket(seed=2)
+    rng = random.Random(1234)
+    patterns = 0
+    for _ in range(60):
+        changes = {}
+        for j, (first, count) in enumerate(pieces):
+            size = min(count, rng.randint(2, 6))
+            reach = min(count, rng.choice((8, 64, count)))  # near each other, or anywhere
+            start = rng.randrange(count - reach + 1)
+            at = rng.sample(range(reach), size)
+            deltas = [rng.choice((-1, 1)) * rng.randint(1, 1 << rng.randint(0, 31)) for _ in at]
+            changes[j] = [(first + start + a, d) for a, d in zip(at, deltas, strict=True)]
+        _changed_pieces_detected(plan, buf, changes)
+        patterns += len(changes)
+    assert patterns == 60 * len(pieces) >= 3000
 
 
 def test_views_and_byte_ranges_digest_their_own_bytes() -> None:
@@ -131,7 +321,7 @@ def _mixed_metas() -> list[ParamMeta]:
         for i in range(400)
     ]
     metas.insert(5, ParamMeta("layers.0.empty", torch.float32, (0,)))
-    metas.append(ParamMeta("head.weight", torch.float32, (LARGE_BYTES // 4 + 3,)))
+    metas.append(ParamMeta("head.weight", torch.float32, (WINDOW_WORDS + 3,)))  # chunked
     return metas
 
 
@@ -150,6 +340,18 @@ def test_bucket_digests_are_the_digests_of_each_piece(buffer_bytes: int) -> None
             digest(tensors[p.param][p.start : p.start + p.nbytes]).tolist() for p in bucket.pieces
         ]
         assert got.tolist() == want, k
+
+
+def test_the_digests_do_not_depend_on_the_window_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an accelerator's larger windows change is the batching, not the values."""
+    metas = [*_mixed_metas(), *(ParamMeta(f"more.{i}", torch.float32, (777,)) for i in range(40))]
+    plan, _, buckets = _plan_and_bucket_bytes(metas, 1 << 20)
+    big = random_tensor(torch.int32, 3 * WINDOW_WORDS + 5, seed=11)
+    want = [BucketDigests(plan).of(k, b).tolist() for k, b in enumerate(buckets)]
+    want_big = digest(big).tolist()
+    monkeypatch.setattr(digest_module, "WINDOW_WORDS", 1 << 10)  # more chunks and windows
+    assert [BucketDigests(plan).of(k, b).tolist() for k, b in enumerate(buckets)] == want
+    assert digest(big).tolist() == want_big
 
 
 def test_the_check_names_the_first_parameter_that_differs_and_ignores_padding() -> None:
@@ -229,7 +431,10 @@ def test_digests_on_cuda_equal_those_on_cpu() -> None:
 # ------------------------------------------------- the pipeline's check before a load
 
 
-def test_the_pipeline_checks_each_bucket_before_its_load_and_loads_nothing_after() -> None:
+@pytest.mark.parametrize("corruption", ["flipped byte", "+1-2+1 on three words"])
+def test_the_pipeline_checks_each_bucket_before_its_load_and_loads_nothing_after(
+    corruption: str,
+) -> None:
     metas = [ParamMeta(f"layers.{i}.w", torch.float32, (300,)) for i in range(6)]
     plan, _, buckets = _plan_and_bucket_bytes(metas, 1500)
     digests = BucketDigests(plan)
@@ -239,8 +444,10 @@ def test_the_pipeline_checks_each_bucket_before_its_load_and_loads_nothing_after
 
     def corrupt(k: int, buf: torch.Tensor) -> None:
         seen.append(k)
-        if k == 2:
+        if k == 2 and corruption == "flipped byte":
             buf[5] ^= 0x10
+        elif k == 2:  # words 40..42 of layers.2.w: a change both old sums missed
+            added(buf[:1200].view(torch.int32), [(40 + at, d) for at, d in CRAFTED["+1-2+1"]])
 
     pipeline = LoadPipeline(lambda tensors: loaded.extend(n for n, _ in tensors), 2, 5.0, name="t")
     unpacker = Unpacker(plan, "cpu")

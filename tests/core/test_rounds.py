@@ -31,6 +31,7 @@ from weight_transfer.backend import (
     WeightTransferEngine,
     WeightTransferInitInfo,
 )
+from weight_transfer.control import SEAL_FIELD
 from weight_transfer.hooks import hookimpl, plugin_manager, register_hooks
 
 
@@ -161,7 +162,7 @@ def test_the_round_transmits_while_update_weights_is_in_flight() -> None:
     target = ExampleNet(seed=3)
     trainer.source = ModuleSource(target)
     trainer.send_weights(weight_version="v1")
-    assert client.calls == ["init", "start", "update", "finish"]
+    assert client.calls == ["init", "start", "update", "update", "finish"]  # 2nd: the seal
     assert _same(model, target)
     assert client.session.weight_version == "v1"
 
@@ -222,6 +223,9 @@ def test_round_client_waits_for_the_update_before_finish_and_raises_its_error() 
             self.calls.append("start")
 
         def update_weights(self, update_info: Any) -> None:
+            if SEAL_FIELD in update_info:
+                self.calls.append("seal")
+                return
             gate.wait(5)
             self.calls.append("update")
             raise KeyError("worker 0: no parameter named 'z'")
@@ -239,7 +243,7 @@ def test_round_client_waits_for_the_update_before_finish_and_raises_its_error() 
         client.finish_weight_update()
     assert inner.calls == ["start", "update"]
     client.finish_weight_update()
-    assert inner.calls == ["start", "update", "finish"]
+    assert inner.calls == ["start", "update", "seal", "finish"]
 
 
 def test_non_sender_ranks_iterate_and_call_nothing() -> None:

@@ -107,6 +107,11 @@ def test_syncs_bit_exactly_and_a_failed_round_leaves_the_model_as_it_was(
             failing.send_weights()  # type: ignore[attr-defined]
         _assert_same_bits(pool.each("state_dict")[0], before)
 
+        # The engine now serves the second trainer: the first one's messages are refused.
+        with pytest.raises(WeightSyncRPCError, match="now serves trainer"):
+            engine.send_weights()  # type: ignore[attr-defined]
+        _assert_same_bits(pool.each("state_dict")[0], before)
+        engine = _trainer(site, pool.client(), ModuleSource(model), tmp_path / "xfer")
         engine.send_weights()  # type: ignore[attr-defined]
         _assert_same_bits(pool.each("state_dict")[0], _state(model))
 

@@ -74,6 +74,73 @@ def test_a_gpu_the_worker_cannot_see_is_refused_listing_the_visible_ones() -> No
             )
 
 
+class _Records(RecordingClient):
+    """Rewrites worker 0's list of exported records in the handshake."""
+
+    def __init__(self, inner: Any, rewrite: Any) -> None:
+        super().__init__(inner)
+        self.rewrite = rewrite
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        buffers = [self.rewrite(init_info["cuda_buffers"][0]), *init_info["cuda_buffers"][1:]]
+        self.inner.init_weight_transfer_engine({**init_info, "cuda_buffers": buffers})
+
+
+CUDA_REWRITES = {
+    "repeated": (
+        lambda records: [records[0]] * len(records),
+        r"'cuda_buffers\[0\]\[1\]' repeats 'cuda_buffers\[0\]\[0\]'",
+    ),
+    "swapped": (
+        lambda records: records[::-1],
+        r"'cuda_buffers\[0\]\[0\]': the buffer is staging buffer 1, not 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CUDA_REWRITES))
+def test_repeated_or_reordered_cuda_records_are_refused_naming_the_record(case: str) -> None:
+    from wt_ipc import IPCTrainerInitInfo
+
+    rewrite, match = CUDA_REWRITES[case]
+    tensors = cuda_tensors(6)
+    info = IPCTrainerInitInfo(rank=0, device="cuda:0", timeout_s=60)
+    with WorkerPool("ipc", 1, names=list(tensors), devices=["cuda:0"]) as pool:
+        with pytest.raises(WeightSyncRPCError, match=match):
+            WeightTransferTrainerFactory.trainer_init(
+                info, client=_Records(pool.client(), rewrite), source=DictSource(tensors)
+            )
+        assert pool.each("digests") == [{}]  # nothing loaded
+        engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=pool.client(), source=DictSource(tensors)
+        )
+        engine.send_weights()  # the worker is as good as new
+        assert pool.each("digests") == [{n: digest(t.cpu()) for n, t in tensors.items()}]
+        engine.shutdown()
+
+
+def test_a_worker_whose_link_closed_is_attached_again_with_fresh_exports() -> None:
+    from wt_ipc import IPCTrainerInitInfo
+
+    tensors = cuda_tensors(7)
+    with WorkerPool("ipc", 1, names=list(tensors), devices=["cuda:0"]) as pool:
+        client = RecordingClient(pool.client())
+        engine = WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=0, device="cuda:0", timeout_s=60),
+            client=client,
+            source=DictSource(tensors),
+        )
+        engine.send_weights()
+        pool.on(0, "shutdown_weight_transfer_engine")  # the worker lets go of its opens
+        for name, t in cuda_tensors(8).items():
+            tensors[name].copy_(t)
+        engine.send_weights()  # attaches again: new buffers, exported once more
+        handshakes = [p for p in client.payloads if "cuda_buffers" in p]
+        assert len(handshakes) == 2
+        assert pool.each("digests") == [{n: digest(t.cpu()) for n, t in tensors.items()}]
+        engine.shutdown()
+
+
 def test_live_vllm_on_the_gpu_over_cuda_ipc(tmp_path: Any) -> None:
     pytest.importorskip("vllm")
     import os

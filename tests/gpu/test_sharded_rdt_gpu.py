@@ -3,7 +3,8 @@
 Two tensor-parallel consumers on the GPU pull their slices of a CUDA trainer
 source: over the loopback transport (producer and consumers in this
 process), and over NIXL with the producer a Ray actor and the receive slots
-in device memory (Ray Direct Transport lands the bytes in VRAM). Every
+in device memory (Ray Direct Transport lands the bytes in VRAM), each with
+and without verified bytes (the consumer digests the blob on the GPU). Every
 parameter equals a fresh shard loaded from the same tensors, bit for bit.
 """
 
@@ -29,7 +30,7 @@ def cuda_checkpoint(seed: int) -> dict[str, torch.Tensor]:
     return {n: t.cuda() for n, t in checkpoint(seed).items()}
 
 
-def run_syncs(transport: str, prefix: str) -> None:
+def run_syncs(transport: str, prefix: str, verify: bool) -> None:
     from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo
     from wt_sharded_rdt.worker import ShardedRDTWorkerEngine
 
@@ -41,7 +42,12 @@ def run_syncs(transport: str, prefix: str) -> None:
     client = ReplicaClient([WorkerSession(e) for e in engines])
     source = HeldSource(cuda_checkpoint(1))
     info = ShardedRDTTrainerInitInfo(
-        rank=0, num_consumers=tp, transport=transport, producer_prefix=prefix, timeout_s=60.0
+        rank=0,
+        num_consumers=tp,
+        transport=transport,
+        producer_prefix=prefix,
+        timeout_s=60.0,
+        verify=verify,
     )
     trainer = ShardedRDTTrainerEngine.trainer_init(info, client=client, source=source)
     try:
@@ -60,13 +66,15 @@ def run_syncs(transport: str, prefix: str) -> None:
             e.shutdown()
 
 
-def test_cuda_consumers_over_loopback() -> None:
-    run_syncs("loopback", "wt-gpu-loopback")
+@pytest.mark.parametrize("verify", [False, True])
+def test_cuda_consumers_over_loopback(verify: bool) -> None:
+    run_syncs("loopback", f"wt-gpu-loopback-{verify}", verify)
 
 
-def test_cuda_consumers_over_nixl(tmp_path: Any) -> None:
+@pytest.mark.parametrize("verify", [False, True])
+def test_cuda_consumers_over_nixl(tmp_path: Any, verify: bool) -> None:
     pytest.importorskip("nixl")
     from tests.backends.sharded_rdt.ray_parts import ray_cluster
 
     with ray_cluster():
-        run_syncs("nixl", "wt-gpu-nixl")
+        run_syncs("nixl", f"wt-gpu-nixl-{verify}", verify)

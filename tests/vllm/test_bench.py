@@ -56,6 +56,9 @@ def test_quick_bench_produces_every_figure(tmp_path: Path) -> None:
         sparse = {m["mode"]: m["bytes_per_worker"] for m in s["modes"] if "sparse" in m["mode"]}
         if sparse:  # 1% of the tensors' elements moves fewer bytes than 10%
             assert sparse["sparse_nccl 1%"] < sparse["sparse_nccl 10%"] < s["bytes"]
+    digest = results["digest"]["rows"]  # the digest alone, beside a copy of its bytes
+    assert {(r["pieces"], r["threads"]) for r in digest} == {(8, 1), (8, 2), (4000, 1), (4000, 2)}
+    assert all(r["digest_s_per_gib"] > 0 and r["x_memcpy"] > 0 for r in digest)
     live = results["live"]
     methods = {r["method"] for r in live["rows"]}
     assert {"floor: vLLM reload from memory", "wt_nccl packed", "save + reload_weights"} <= methods
@@ -68,5 +71,6 @@ def test_quick_bench_produces_every_figure(tmp_path: Path) -> None:
     assert len(predictions) == 3 and all(p["predicted_s"] > 0 for p in predictions)
     summary = (out / "bench.md").read_text()
     assert "## Targets" in summary and "## Cost model" in summary
+    assert "## Verified bytes: the digest alone" in summary
     for png in ("time_vs_size.png", "time_vs_params.png", "scenario_0.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -153,6 +153,9 @@ def test_a_restarted_replica_catches_up_at_the_next_sync(
     started = time.monotonic()
     fleet.sync(2, "after-restart")  # re-forms the group, then moves all three
     print(f"sync with re-formed group: {time.monotonic() - started:.1f}s")
+    read = time.monotonic()
+    assert fleet.client.weight_versions() == ["after-restart"] * 3
+    assert time.monotonic() - read < 5.0  # every replica answers its control reads at once
     fleet.assert_serving(references, 2, "after-restart")
     fleet.sync(3, "steady")
     fleet.assert_serving(references, 3, "steady")

@@ -37,7 +37,7 @@ from tests.vllm.conftest import (
     require_backend,
 )
 from weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightSyncRPCError
-from weight_transfer.backend import RoundClient
+from weight_transfer.control import SEAL_FIELD
 from weight_transfer.transport.group import free_port
 
 pytest.importorskip("vllm")
@@ -209,24 +209,46 @@ def test_http_sync_rounds_and_failures(
         http.close()
 
 
-STALLING_TRAINER = """
+KILLABLE_TRAINER = """
 import sys, time, torch
 from weight_transfer import HTTPVLLMWeightSyncClient, ParamMeta, WeightSource
 from weight_transfer import WeightTransferTrainerFactory
+from weight_transfer.control import SEAL_FIELD
 
-url, backend, path = sys.argv[1], sys.argv[2], sys.argv[3]
+url, backend, path, point = sys.argv[1:5]
 state = torch.load(path)
 
-class Stalling(WeightSource):
+def hang():
+    print("AT " + point, flush=True)
+    time.sleep(600)
+
+class Source(WeightSource):
     def metadata(self):
         return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in state.items()]
 
     def __iter__(self):
         for i, (n, t) in enumerate(state.items()):
-            if i == len(state) - 3:
-                print("STALLING", flush=True)
-                time.sleep(600)
+            if point == "mid-update" and i == len(state) - 3:
+                hang()
             yield n, t
+
+class Hanging:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def update_weights(self, info):
+        data, seal = "names" in info, SEAL_FIELD in info
+        if point == "after-start" and data or point == "before-finish" and seal:
+            hang()
+        self.inner.update_weights(info)
+
+    def resume_generation(self):
+        if point == "fleet-held":
+            hang()
+        self.inner.resume_generation()
 
 wire = dict(timeout_s=120.0, packed_buffer_size_bytes=64 << 10, packed_min_bucket_bytes=0)
 if backend == "nccl":
@@ -236,84 +258,123 @@ if backend == "nccl":
 else:
     from wt_ipc import IPCTrainerInitInfo
     info = IPCTrainerInitInfo(rank=0, device="cpu", replace_trainer=True, **wire)
-client = HTTPVLLMWeightSyncClient(url, timeout=120.0)
-trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=Stalling())
-trainer.send_weights()
+client = Hanging(HTTPVLLMWeightSyncClient(url, timeout=120.0))
+if point == "fleet-held":
+    from weight_transfer import FanOutClient
+    client = FanOutClient([client])
+trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=Source())
+trainer.send_weights(weight_version="from-the-killed-trainer")
 """
+# Where a killable trainer hangs until it is killed: between its start and its
+# update, in the middle of its update (the workers wait for the next bucket),
+# after its update, before it seals and finishes the round; and, behind a
+# fleet, after every replica committed and held its undo record, before the
+# fleet resumed them (a held round the fleet never confirmed).
+KILL_POINTS = ("after-start", "mid-update", "before-finish", "fleet-held")
 
 
-def start_stalling_trainer(
-    url: str, backend: str, state_path: str, timeout_s: float = 120.0
-) -> subprocess.Popen[str]:
-    """A trainer process that sends `state_path`'s tensors through `backend` and
-    hangs three tensors before the end of its round; returns once it hangs (the
-    caller kills it)."""
+def start_killable_trainer(
+    url: str, backend: str, state_path: str, point: str = "mid-update", timeout_s: float = 120.0
+) -> subprocess.Popen[bytes]:
+    """A trainer process that sends `state_path`'s tensors through `backend` and hangs
+    at `point` (one of `KILL_POINTS`); returns once it hangs (the caller kills it)."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", STALLING_TRAINER, url, backend, state_path],
+        [sys.executable, "-c", KILLABLE_TRAINER, url, backend, state_path, point],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
     )
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()
     deadline = time.monotonic() + timeout_s
     seen = ""
-    while "STALLING" not in seen:
+    while f"AT {point}" not in seen:
         remaining = deadline - time.monotonic()
-        readable, _, _ = select.select([proc.stdout], [], [], max(0.0, remaining))
+        readable, _, _ = select.select([fd], [], [], max(0.0, remaining))
         if not readable:
             proc.kill()
             proc.wait(10)
-            raise TimeoutError(f"the trainer did not reach the stall within {timeout_s:g}s")
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            raise RuntimeError(f"the trainer exited ({proc.returncode}) before the stall:\n{seen}")
-        seen += line
+            raise TimeoutError(
+                f"the trainer did not reach {point!r} within {timeout_s:g}s:\n{seen}"
+            )
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            proc.wait(10)
+            raise RuntimeError(f"the trainer exited ({proc.returncode}) before {point!r}:\n{seen}")
+        seen += chunk.decode(errors="replace")
     return proc
 
 
-def test_http_dead_trainer_keeps_previous_weights(
-    server: Server, references: References, tmp_path: Any
+RESUME_WITHIN_S = 10.0
+
+
+def kill_trainers_at_every_point(
+    server: Server,
+    references: References,
+    backend: str,
+    tmp_path: Any,
+    points: tuple[str, ...] = KILL_POINTS,
 ) -> None:
-    """A trainer process killed in the middle of a round: the engine rolls back,
-    keeps serving, and a new trainer connects and syncs."""
+    """SIGKILL a trainer process at each of `points` of a sync into `server` while a
+    stream of completions runs: each time, the engine rolls back and resumes
+    generation itself within `RESUME_WITHIN_S` (nobody calls resume), serves the
+    previous weights under the previous label, no request fails, and a fresh
+    trainer then syncs."""
     import torch
 
     http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
     client = VersionedClient(http)
     source = SwitchSource(ModuleSource(hf_model(2)))
-    trainer = connect(BACKEND, client, source, str(tmp_path))
-    client.version = "before-dead-trainer"
-    trainer.send_weights()
-    trainer.shutdown()
-    assert server.generate() == references.outputs(2)
-
     state_path = tmp_path / "seed3.pt"
     torch.save({n: p.detach() for n, p in hf_model(3).named_parameters()}, state_path)
-    dead = start_stalling_trainer(server.url, BACKEND, str(state_path))
     try:
-        time.sleep(1.0)  # let the buckets already sent land in the model
-    finally:
-        dead.kill()
-        dead.wait(10)
+        for point in points:
+            trainer = connect(backend, client, source, str(tmp_path))
+            source.inner = ModuleSource(hf_model(2))
+            client.version = f"before-kill-{point}"
+            trainer.send_weights()
+            trainer.shutdown()
+            # The trainer starts first (a new process starves on 2 cores busy generating),
+            # then the stream: its requests wait in the paused engine for the kill.
+            dead = start_killable_trainer(server.url, backend, str(state_path), point)
+            try:
+                if point != "mid-update":  # (a read waits while the engine receives)
+                    assert http.is_paused(), f"{point}: the round did not pause generation"
+                with Traffic(server) as traffic:
+                    time.sleep(0.5)  # the stream's first requests are in
+                    dead.kill()
+                    dead.wait(10)
+                    killed = time.monotonic()
+                    while http.is_paused() and time.monotonic() - killed < 2 * RESUME_WITHIN_S:
+                        time.sleep(0.1)
+                    resumed_after = time.monotonic() - killed
+                    while traffic.done < 2 and time.monotonic() - killed < 2 * RESUME_WITHIN_S:
+                        time.sleep(0.05)
+                    flowing_after = time.monotonic() - killed
+            finally:
+                dead.kill()
+                dead.wait(10)
+            print(f"{point}: resumed {resumed_after:.1f}s, 2 completions {flowing_after:.1f}s")
+            assert resumed_after < RESUME_WITHIN_S, f"{point}: still paused {resumed_after:.1f}s"
+            assert flowing_after < RESUME_WITHIN_S, f"{point}: {traffic.done} completions"
+            assert traffic.failures == [], point
+            assert server.generate() == references.outputs(2), point
+            assert server.weight_version() == f"before-kill-{point}"
 
-    # The dead trainer's client paused generation. The engine core runs the
-    # workers' update_weights, which rolls back once the group breaks, before it
-    # takes the resume; an operator (or the next round) resumes.
-    assert http.is_paused()
-    http.resume_generation()
-    assert server.generate() == references.outputs(2)
-    assert server.weight_version() == "before-dead-trainer"
-
-    trainer = connect(BACKEND, client, source, str(tmp_path))
-    try:
+        trainer = connect(backend, client, source, str(tmp_path))
         source.inner = ModuleSource(hf_model(3))
-        client.version = "after-dead-trainer"
+        client.version = "after-the-kills"
         trainer.send_weights()
         assert server.generate() == references.outputs(3)
-        assert server.weight_version() == "after-dead-trainer"
-    finally:
+        assert server.weight_version() == "after-the-kills"
         trainer.shutdown()
+    finally:
         http.close()
+
+
+def test_http_a_trainer_killed_at_any_point_of_a_sync_never_leaves_the_server_paused(
+    server: Server, references: References, tmp_path: Any
+) -> None:
+    kill_trainers_at_every_point(server, references, BACKEND, tmp_path)
 
 
 class Traffic:
@@ -454,6 +515,119 @@ def test_http_client_survives_the_server_closing_its_connection_after_an_error(
         http.close()
 
 
+class BeforeSeal:
+    """Forwards to `inner`; runs `hook()` once, just before the next round's seal goes
+    out (the trainer has sent its update and is about to finish)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.hook: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def update_weights(self, update_info: Any) -> None:
+        if SEAL_FIELD in update_info and self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        self.inner.update_weights(update_info)
+
+
+def test_http_a_caller_without_the_trainers_key_cannot_hold_revert_or_relabel_a_round(
+    server: Server, references: References, tmp_path: Any
+) -> None:
+    """An HTTP caller with no secret posts the fleet's controls: a hold inside a real
+    trainer's round (A -> B), then, in rounds it starts itself, a hold spelled "no", a
+    forged signature in the trainer's name and a revert. Each is refused naming
+    `wt_auth`; the engine never serves A's tokens under B's label (it did before: the
+    hold was accepted inside the trainer's round and the revert restored A under B)."""
+    http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    client = BeforeSeal(VersionedClient(http))
+    source = SwitchSource(ModuleSource(hf_model(2)))
+    trainer = connect(BACKEND, client, source, str(tmp_path))
+    caller = HTTPVLLMWeightSyncClient(server.url, timeout=60.0, pause=None)
+    forged = {"seq": 10**6, "mac": "0" * 64, "trainer": trainer.trainer_id}
+    refusals: list[str] = []
+
+    def refused(payload: dict[str, Any]) -> str:
+        with pytest.raises(WeightSyncRPCError) as refusal:
+            caller.update_weights(payload)
+        return str(refusal.value)
+
+    def served(seed: int, label: str) -> None:
+        assert server.generate() == references.outputs(seed)
+        assert server.weight_version() == label
+        assert not http.is_paused()
+
+    try:
+        client.inner.version = "A"
+        trainer.send_weights()
+        assert "must be called before update_weights" in refused({"wt_hold": True})  # vLLM's
+
+        source.inner = ModuleSource(hf_model(3))
+        client.inner.version = "B"
+        client.hook = lambda: refusals.append(refused({"wt_hold": True}))
+        with pytest.raises(WeightSyncRPCError):  # the refusal ended vLLM's round
+            trainer.send_weights()
+        assert "field 'wt_auth' is missing" in refusals[0]
+        served(2, "A")
+
+        for payload, why in [
+            ({"wt_hold": "no"}, "field 'wt_auth' is missing"),
+            ({"wt_hold": True, "wt_auth": forged}, "does not prove the message comes from"),
+            ({"wt_revert": "a caller without the key"}, "field 'wt_auth' is missing"),
+        ]:
+            caller.start_weight_update()
+            assert why in refused(payload), payload
+            served(2, "A")
+
+        trainer.send_weights()  # the trainer's next round is B, whole
+        served(3, "B")
+        caller.start_weight_update()
+        assert "field 'wt_auth' is missing" in refused({"wt_revert": "a caller without the key"})
+        served(3, "B")
+    finally:
+        trainer.shutdown()
+        http.close()
+        caller.close()
+
+
+def test_http_a_caller_posting_a_bad_layout_cannot_kill_the_engine(
+    server: Server, references: References, tmp_path: Any
+) -> None:
+    """A caller with no secret starts a round and posts an update whose declared
+    shapes differ from anything the trainer sends, with and without a `trainer_id`:
+    refused naming `wt_auth` before the engine sizes a receive (a gloo receive of the
+    wrong size aborts the engine's process: it died within two syncs before); the
+    trainer's next two syncs land."""
+    http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    source = SwitchSource(ModuleSource(hf_model(2)))
+    trainer = connect(BACKEND, http, source, str(tmp_path))
+    caller = HTTPVLLMWeightSyncClient(server.url, timeout=60.0, pause=None)
+    try:
+        trainer.send_weights()
+        names = [n for n, _ in hf_model(2).named_parameters()]
+        bad = {
+            "names": names[:1],
+            "dtype_names": ["float32"],
+            "shapes": [[7, 7]],  # not what the trainer would send for it
+        }
+        for extra in ({}, {"trainer_id": ""}, {"trainer_id": trainer.trainer_id}):
+            caller.start_weight_update()
+            with pytest.raises(WeightSyncRPCError, match="field 'wt_auth' is missing"):
+                caller.update_weights({**bad, **extra})
+            assert server.generate() == references.outputs(2)
+        for seed in (3, 2):
+            source.inner = ModuleSource(hf_model(seed))
+            trainer.send_weights()
+            assert server.generate() == references.outputs(seed)
+        assert server.proc.poll() is None, "the server exited"
+    finally:
+        trainer.shutdown()
+        http.close()
+        caller.close()
+
+
 def test_http_random_control_sequences_keep_the_engine_servable(
     server: Server, references: References, tmp_path: Any
 ) -> None:
@@ -492,7 +666,9 @@ def test_http_random_control_sequences_keep_the_engine_servable(
 
     def start_then_finish() -> None:
         raw.start_weight_update()
-        raw.finish_weight_update()
+        with pytest.raises(WeightSyncRPCError, match="before the trainer sealed the round"):
+            raw.finish_weight_update()  # only the trainer finishes: the round stays open
+        trainer.client.abort_round("the trainer ends the round left open")
 
     def finish_alone() -> None:
         with pytest.raises(WeightSyncRPCError):
@@ -506,7 +682,7 @@ def test_http_random_control_sequences_keep_the_engine_servable(
         raw.start_weight_update()
         with pytest.raises(WeightSyncRPCError, match="while a weight update is active"):
             raw.init_weight_transfer_engine(stray_init)
-        raw.finish_weight_update()
+        trainer.client.abort_round("the trainer ends the round left open")
 
     def malformed_request() -> None:
         raw.start_weight_update()
@@ -516,7 +692,7 @@ def test_http_random_control_sequences_keep_the_engine_servable(
         # the engine never saw it: the model is untouched; the round stays open in
         # vLLM until something ends it
         assert server.generate() == references.outputs(committed)
-        RoundClient(raw).abort_round("the trainer gave up on this round")
+        trainer.client.abort_round("the trainer gave up on this round")
 
     def left_open_then_sync() -> int:
         raw.start_weight_update()  # a trainer that died right after its start

@@ -30,7 +30,13 @@ from weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightSyncRP
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
-from tests.vllm.test_http import Server, Traffic, start_stalling_trainer
+from tests.vllm.test_http import (
+    KILL_POINTS,
+    Server,
+    Traffic,
+    kill_trainers_at_every_point,
+    start_killable_trainer,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -96,6 +102,13 @@ def test_http_ipc_rounds_a_failure_and_syncs_under_traffic(
         http.close()
 
 
+def test_http_ipc_a_trainer_killed_at_any_point_of_a_sync_never_leaves_the_server_paused(
+    ipc_server: Server, references: References, tmp_path: Any
+) -> None:
+    points = tuple(p for p in KILL_POINTS if p != "fleet-held")  # one replica: no fleet
+    kill_trainers_at_every_point(ipc_server, references, BACKEND, tmp_path, points)
+
+
 def _engine_processes(pid: int) -> list[int]:
     """The vLLM engine processes (`VLLM::EngineCore`, `VLLM::Worker`) below `pid`."""
     found = []
@@ -139,7 +152,7 @@ def test_sigterm_ends_a_worker_stuck_in_a_round_and_leaves_no_shared_memory(
     server = ipc_server
     state_path = tmp_path / "seed3.pt"
     torch.save({n: p.detach() for n, p in hf_model(3).named_parameters()}, state_path)
-    trainer = start_stalling_trainer(server.url, BACKEND, str(state_path))
+    trainer = start_killable_trainer(server.url, BACKEND, str(state_path))
     try:
         time.sleep(1.0)  # the worker now waits for the next bucket
         engines = _engine_processes(server.proc.pid)

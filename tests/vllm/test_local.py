@@ -23,6 +23,7 @@ from tests.vllm.conftest import (
     hf_model,
 )
 from weight_transfer import ModuleSource, WeightSyncRPCError
+from weight_transfer.control import SEAL_FIELD
 
 pytest.importorskip("vllm")
 
@@ -139,6 +140,7 @@ def test_failed_finish_keeps_previous_weights(
         if n != "model.layers.1.self_attn.v_proj.weight"
     ]
     loader.load(pairs)
+    worker.update_weights(engine.trainer.client.control.sign({SEAL_FIELD: True}))  # as its trainer
     method.process_weights_after_loading = fail
     try:
         with pytest.raises(RuntimeError, match="injected"):
@@ -255,8 +257,11 @@ def test_a_round_that_reaches_no_update_never_makes_the_model_unservable(
     llm.start_weight_update()
     try:
         assert generate(llm) == references.outputs(engine.seed)
+        with pytest.raises(Exception, match="before the trainer sealed the round"):
+            llm.finish_weight_update()  # a finish from anyone but the trainer: the round stays
+        assert generate(llm) == references.outputs(engine.seed)
     finally:
-        llm.finish_weight_update()
+        engine.trainer.client.abort_round("the test ends the round it left open")
     assert generate(llm) == references.outputs(engine.seed)
     engine.sync(3 if engine.seed != 3 else 2)
     assert generate(llm) == references.outputs(engine.seed)

@@ -6,6 +6,11 @@
   every sync. Greedy tokens and logprobs must equal a fresh engine loaded
   from the target weights, on both replicas; a sync that fails mid-way
   leaves both serving the previous weights, and the next works.
+- With verified bytes, a byte flipped in a replica's receive slot fails the
+  sync naming the parameter; both replicas keep serving the previous weights.
+- A replica killed and started again as a new actor is re-admitted by the
+  next sync (`reconnect`: every replica gets its handshake again) and then
+  serves exactly what a fresh engine loaded from the target weights does.
 - One engine with tensor parallelism 2 (vLLM's multiprocess executor; its
   worker processes join the Ray cluster as drivers from the handshake's
   address): each worker pulls about half of the model.
@@ -13,6 +18,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,8 +64,8 @@ def cluster() -> Iterator[Any]:
         yield r
 
 
-@pytest.fixture(scope="module")
-def replicas(cluster: Any, tiny_dirs: TinyDirs) -> Iterator[list[Any]]:
+def start_replicas(cluster: Any, tiny_dirs: TinyDirs, count: int) -> list[Any]:
+    """`count` engines (an `LLM` each, in a Ray actor) serving the initial checkpoint, ready."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
@@ -70,10 +76,16 @@ def replicas(cluster: Any, tiny_dirs: TinyDirs) -> Iterator[list[Any]]:
             weight_transfer_config=WeightTransferConfig(backend="wt_sharded_rdt"),
             **LLM_KWARGS,
         )
-        for _ in range(REPLICAS)
+        for _ in range(count)
     ]
     cluster.get([a.get_weight_version.remote() for a in actors], timeout=240)
-    yield actors
+    return actors
+
+
+@pytest.fixture(scope="module")
+def replicas(cluster: Any, tiny_dirs: TinyDirs) -> Iterator[list[Any]]:
+    actors = start_replicas(cluster, tiny_dirs, REPLICAS)
+    yield actors  # a test that restarts one puts the new actor in its place
     for actor in actors:
         cluster.kill(actor)
 
@@ -145,6 +157,111 @@ def test_two_replicas_pull_over_nixl(replicas: list[Any], references: References
             assert generate(actor) == references.outputs(2), f"replica {r} after recovery"
     finally:
         trainer.shutdown()
+
+
+def test_a_restarted_replica_is_readmitted_at_the_next_sync(
+    cluster: Any,
+    tiny_dirs: TinyDirs,
+    replicas: list[Any],
+    references: References,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Replica 1's engine is killed and started again from the checkpoint it served,
+    as a new actor, while the trainer keeps running: the next `send_weights` finds it
+    without a transfer engine (its start is refused with `NO_GROUP`), sends every
+    replica its handshake again (`reconnect`) and syncs both; a further sync works."""
+    from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo
+
+    clients = [VersionedClient(RayVLLMWeightSyncClient(a, timeout=120.0)) for a in replicas]
+    source = SwitchSource(ModuleSource(hf_model(2)))
+    info = ShardedRDTTrainerInitInfo(
+        rank=0,
+        num_consumers=REPLICAS,
+        num_replicas=REPLICAS,
+        transport="nixl",
+        producer_prefix="wt-vllm-rdt-restart",
+        timeout_s=120.0,
+        stall_timeout_s=30.0,
+        actor_env=LOOPBACK_ENV,
+    )
+    trainer = ShardedRDTTrainerEngine.trainer_init(
+        info, client=FanOutClient(clients), source=source
+    )
+    try:
+        trainer.send_weights()
+        cluster.kill(replicas[1])
+        (replicas[1],) = start_replicas(cluster, tiny_dirs, 1)
+        clients[1].inner.handles = [replicas[1]]
+        for seed in (3, 2):
+            source.inner = ModuleSource(hf_model(seed))
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="weight_transfer"):
+                trainer.send_weights()
+            assert ("re-admitting the workers" in caplog.text) == (seed == 3)
+            for r, actor in enumerate(replicas):
+                assert generate(actor) == references.outputs(seed), f"replica {r}, seed {seed}"
+    finally:
+        trainer.shutdown()
+
+
+def test_verified_bytes_in_live_engines(replicas: list[Any], references: References) -> None:
+    """verify=True inside vLLM: a clean sync matches a fresh engine; a byte flipped in
+    replica 1's receive slot fails the sync naming the parameter, both replicas keep
+    serving the previous weights, and the next sync works."""
+    from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo
+
+    clients = [VersionedClient(RayVLLMWeightSyncClient(a, timeout=120.0)) for a in replicas]
+    source = SwitchSource(ModuleSource(hf_model(3)))
+    info = ShardedRDTTrainerInitInfo(
+        rank=0,
+        num_consumers=REPLICAS,
+        num_replicas=REPLICAS,
+        transport="nixl",
+        producer_prefix="wt-vllm-rdt-verify",
+        timeout_s=120.0,
+        stall_timeout_s=30.0,
+        actor_env=LOOPBACK_ENV,
+        verify=True,
+    )
+    trainer = ShardedRDTTrainerEngine.trainer_init(
+        info, client=FanOutClient(clients), source=source
+    )
+    name = "model.layers.1.mlp.down_proj.weight"
+    try:
+        trainer.send_weights()
+        for r, actor in enumerate(replicas):
+            assert generate(actor) == references.outputs(3), f"replica {r}, verified sync"
+        ray.get(replicas[1].collective_rpc.remote(_corrupt, args=(name,)), timeout=60)
+        source.inner = ModuleSource(hf_model(2))
+        with pytest.raises(Exception, match=rf"verify: consumer 1: .*'{name}'.* arrived different"):
+            trainer.send_weights()
+        for r, actor in enumerate(replicas):
+            assert generate(actor) == references.outputs(3), f"replica {r} after the refusal"
+        ray.get(replicas[1].collective_rpc.remote(_corrupt, args=(None,)), timeout=60)
+        trainer.send_weights()
+        for r, actor in enumerate(replicas):
+            assert generate(actor) == references.outputs(2), f"replica {r} after recovery"
+    finally:
+        trainer.shutdown()
+
+
+def _corrupt(worker: Any, name: str | None) -> None:
+    """In a worker: flip a byte of `name`'s first slice in each pull of it, after it
+    lands (core's test-only `RECEIVE_HOOKS`); `None` removes the hook."""
+    from weight_transfer.transport.digest import RECEIVE_HOOKS
+
+    RECEIVE_HOOKS.clear()
+    if name is None:
+        return
+    plan = worker.weight_transfer_engine.plan
+    chunk = next(c for c in plan.chunks if any(k[0] == name for k in c.keys))
+    offset = chunk.offsets[[k[0] for k in chunk.keys].index(name)] + 5
+
+    def flip(k: int, buf: torch.Tensor) -> None:
+        if k == chunk.index:
+            buf[offset] ^= 0xFF
+
+    RECEIVE_HOOKS.append(flip)
 
 
 def _pulled_bytes(worker: Any) -> int:

@@ -324,3 +324,38 @@ def test_failed_finish_keeps_previous_weights(sparse_served: SparseServed, where
 
     s.sync([s.patches([(K0, 0.05), (EMBED, 0.05), (Q1, 0.05)])], f"after-{where}")
     s.check_serves_state(f"after failed {where}")
+
+
+def test_a_held_round_reverts_inside_vllm(sparse_served: SparseServed) -> None:
+    """A commit held for a fleet (`wt_hold`) is taken back by `wt_revert`: the engine
+    serves exactly what it served before, and its checkpoint mirror went back too (the
+    next round matches a fresh engine). `wt_release` keeps the weights."""
+    from weight_transfer import LocalVLLMWeightSyncClient
+    from weight_transfer.control import HOLD_FIELD, RELEASE_FIELD, REVERT_FIELD
+
+    s = sparse_served
+    control = LocalVLLMWeightSyncClient(s.llm)
+
+    def held_round(patches: list[Any], version: str) -> None:
+        s.trainer.begin()
+        s.trainer.client.update_weights({HOLD_FIELD: True})
+        s.trainer.send_weight_chunk(patches)
+        s.trainer.end(version)
+
+    before, previous = generate(s.llm), s.state
+    patches = s.patches([(Q1, 0.05), (GATE1, 0.05), (EMBED, 0.02)])
+    held_round(patches, "held")
+    assert_same_outputs(generate(s.llm), s.fresh_outputs(applied(previous, patches)), "held")
+    sign = s.trainer.client.control.sign  # the fleet signs its controls with the trainer's key
+    control.control_round({REVERT_FIELD: "another replica failed (test)"}, sign=sign)
+    assert generate(s.llm) == before, "the revert did not restore what the engine served"
+
+    kept = s.patches([(K0, 0.05), (NORM1, 0.5)])
+    held_round(kept, "kept")
+    kept_outputs = generate(s.llm)
+    control.control_round({RELEASE_FIELD: "every replica finished (test)"}, sign=sign)
+    assert generate(s.llm) == kept_outputs
+    s.state = applied(previous, kept)
+
+    s.sync([s.patches([(Q1, 0.05), (DOWN0, 0.05)])], "after-revert")
+    s.check_serves_state("after a revert and a release")

@@ -19,10 +19,15 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+@pytest.mark.parametrize(
+    ("backend", "add"), [("nccl", None), ("ipc", None), ("nccl", [1, -2, 1])],
+    ids=["nccl-flipped-byte", "ipc-flipped-byte", "nccl-plus-one-minus-two-plus-one"],
+)  # fmt: skip
 def test_verified_syncs_refuse_a_corrupt_byte_and_keep_serving(
-    served: ServedEngines, references: References, backend: str
+    served: ServedEngines, references: References, backend: str, add: list[int] | None
 ) -> None:
+    """A flipped byte, or +1, -2, +1 added to three consecutive 32-bit words (which the
+    previous Fletcher-style digest missed), is refused naming the parameter."""
     engine = served(backend)
     engine.reconnect(verify=True)
     try:
@@ -36,7 +41,8 @@ def test_verified_syncs_refuse_a_corrupt_byte_and_keep_serving(
         k = len(plan.buckets) // 2
         piece = plan.buckets[k].pieces[0]
         name = plan.params[piece.param].name
-        corrupt_received(k, piece.offset + piece.nbytes // 2, 0x01)
+        at = piece.offset + (piece.nbytes // 2) // 4 * 4
+        corrupt_received(k, at, 0x01, add)
         try:
             with pytest.raises(WeightSyncRPCError) as failure:
                 engine.sync(second)

@@ -53,7 +53,9 @@ Transport
     `LoadPipeline`, `LoadFailed`, `aligned_layout` (the layout both ends derive).
     Verified bytes: `BucketDigests` (per-piece digests of a bucket, computed
     and checked on the bytes' device), `DigestMismatch`, `DigestRoom` (digests
-    in a staging buffer's tail), `digest`, `DIGEST_DTYPE`. Re-admission:
+    in a staging buffer's tail), `digest`, `DIGEST_DTYPE`, `RECEIVE_HOOKS` and
+    `run_receive_hooks` (a transport calls it on each received piece before
+    checking it: the test-only hooks corrupt bytes there). Re-admission:
     `NO_GROUP` / `needs_reconnect` (a side without a group refuses with it;
     the trainer then calls its `reconnect`).
     Waiting: `in_background`, `await_transfer`,
@@ -98,7 +100,13 @@ from weight_transfer.loading import (
 )
 from weight_transfer.payload import parse_payload, payload_of
 from weight_transfer.position import WorkerPosition, worker_position
-from weight_transfer.resync import ParamListUpdateInfo, ResyncTrainerEngine, param_list_payload
+from weight_transfer.resync import (
+    PARAM_LIST_FIELDS,
+    ParamListUpdateInfo,
+    ResyncTrainerEngine,
+    param_list_digests,
+    param_list_payload,
+)
 from weight_transfer.rounds import AlignedFailure, RoundClient, TrainerRound, Transfer
 from weight_transfer.slices import (
     ALLOWED_OPS,
@@ -127,10 +135,12 @@ from weight_transfer.transport.channel import (
 )
 from weight_transfer.transport.digest import (
     DIGEST_DTYPE,
+    RECEIVE_HOOKS,
     BucketDigests,
     DigestMismatch,
     DigestRoom,
     digest,
+    run_receive_hooks,
 )
 from weight_transfer.transport.dtypes import WIRE_DTYPES, dtype_from_name, dtype_name
 from weight_transfer.transport.futures import (
@@ -170,6 +180,7 @@ from weight_transfer.transport.packing import (
 from weight_transfer.transport.rendezvous import (
     GroupInitInfo,
     GroupTrainerFields,
+    fleet_of,
     join_group,
     trainer_rendezvous,
 )
@@ -208,6 +219,8 @@ __all__ = [
     "WeightTransferUpdateInfo",
     "ParamListUpdateInfo",
     "param_list_payload",
+    "param_list_digests",
+    "PARAM_LIST_FIELDS",
     "Transaction",
     "WeightLoader",
     "Revertible",
@@ -257,6 +270,7 @@ __all__ = [
     "Credits",
     "RELEASED",
     "GroupTrainerFields",
+    "fleet_of",
     "GroupInitInfo",
     "trainer_rendezvous",
     "join_group",
@@ -272,7 +286,9 @@ __all__ = [
     "DigestMismatch",
     "DigestRoom",
     "DIGEST_DTYPE",
+    "RECEIVE_HOOKS",
     "digest",
+    "run_receive_hooks",
     # slices (record once, replay every round)
     "ALLOWED_OPS",
     "FetchKey",

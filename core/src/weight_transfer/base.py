@@ -17,6 +17,7 @@ info, never in per-round update info.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -29,18 +30,33 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from weight_transfer.control import (
+    ABORT_FIELD,
+    AUTH_FIELD,
+    CONTROL_KEY_FIELD,
+    HOLD_FIELD,
+    RELEASE_FIELD,
+    REVERT_FIELD,
+    SEAL_FIELD,
+    ControlCheck,
+    ControlRefused,
+    check_control_values,
+    pop_control_key,
+)
 from weight_transfer.hooks import SyncTracker
-from weight_transfer.loading import Revertible, Transaction, WeightLoader, loader_for
+from weight_transfer.loading import (
+    Revertible,
+    Transaction,
+    WeightLoader,
+    is_vllm_config,
+    loader_for,
+)
 from weight_transfer.payload import parse_payload
 from weight_transfer.position import WorkerPosition, worker_position
 from weight_transfer.rounds import (
-    ABORT_FIELD,
     ABORTED_ON_REQUEST,
     DEFAULT_TIMEOUT_S,
-    HOLD_FIELD,
     NOTHING_HELD,
-    RELEASE_FIELD,
-    REVERT_FIELD,
     AlignedFailure,
     RoundClient,
     TrainerRound,
@@ -151,12 +167,16 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
         is_sender: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.client = client if isinstance(client, RoundClient) else RoundClient(client, timeout_s)
+        self.trainer_id = new_trainer_id()
+        self.client = (
+            client
+            if isinstance(client, RoundClient)
+            else RoundClient(client, timeout_s, trainer_id=self.trainer_id)
+        )
         self.source = source
         self.is_sender = is_sender
         self.timeout_s = timeout_s
         self.syncs = 0
-        self.trainer_id = new_trainer_id()
 
     @property
     def backend(self) -> str:
@@ -173,6 +193,8 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
                 if not (self.can_reconnect and needs_reconnect(error)):
                     raise
                 logger.warning("%s: re-admitting the workers (%s)", self.backend, error)
+                with contextlib.suppress(Exception):  # workers of a replica that did start
+                    self.client.abort_round("re-admitting the workers after a refused start")
                 self.reconnect()
                 self.client.start_weight_update()
         except BaseException as error:
@@ -275,6 +297,7 @@ def synchronize_device(device: torch.device) -> None:
 
 
 _ROUND_STEPS = ("init_transfer_engine", "start_weight_update", "finish_weight_update")
+_KEY_ATTR = "_wt_control_key"  # where a parsed init info keeps the trainer's control key
 
 
 class RoundAbortedError(RuntimeError):
@@ -287,7 +310,10 @@ def _watch_rounds(ref: weakref.ReferenceType[WeightTransferEngine[Any, Any]]) ->
         engine = ref()
         if engine is None:
             return
-        engine._expire_stale_round()
+        try:
+            engine._watch()
+        except Exception:  # the watchdog must outlive any one failure
+            logger.exception("%s: the round watchdog's check failed", type(engine).__name__)
         period = min(1.0, engine.round_timeout_s / 4)
         del engine
         time.sleep(period)
@@ -306,16 +332,7 @@ def _round_step(name: str, step: Callable[..., None]) -> Callable[..., None]:
         self._in_round_step = True
         try:
             if name == "init_transfer_engine":
-                if self.transaction is not None:
-                    raise RuntimeError(
-                        "init_weight_transfer_engine while a weight update is active: finish "
-                        "the round (or let it fail) before connecting a trainer"
-                    )
-                self.release_held()
-                step(self, *args)
-                timeout_s = getattr(args[0] if args else None, "timeout_s", None)
-                if isinstance(timeout_s, (int, float)) and timeout_s > 0:
-                    self.round_timeout_s = float(timeout_s)
+                self._connect(args[0] if args else None, lambda: step(self, *args))
             elif name == "start_weight_update":
                 self._open_round(lambda: step(self))
             else:
@@ -324,6 +341,21 @@ def _round_step(name: str, step: Callable[..., None]) -> Callable[..., None]:
             self._in_round_step = False
 
     wrapper.__wt_round_step__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _keyed_parse(parse: Callable[..., Any]) -> Callable[..., Any]:
+    """A subclass's own `parse_init_info`, given the payload without the trainer's
+    control key, which is kept with the parsed info (see `parse_init_info`)."""
+
+    @functools.wraps(parse)
+    def wrapper(self: WeightTransferEngine[Any, Any], init_dict: dict[str, Any]) -> Any:
+        init_dict, key = pop_control_key(init_dict)
+        info = parse(self, init_dict)
+        object.__setattr__(info, _KEY_ATTR, key)
+        return info
+
+    wrapper.__wt_keyed__ = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -350,6 +382,17 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     spec-style `self.model.load_weights`) is covered too: outside vLLM the
     `DirectLoader` keeps an undo copy, inside vLLM the loader has begun a
     layerwise reload.
+
+    Only the trainer that connected the engine drives its rounds: once an init
+    carried a control key, every update and control must carry that trainer's
+    MAC, and a finish commits only a round the trainer sealed
+    (`weight_transfer.control`); anything else is refused before it is acted on.
+
+    A round that ends without its trainer (an update that failed, the trainer
+    gone, no progress for `round_timeout_s`) is rolled back and, inside vLLM,
+    generation is resumed if it was paused when the round began; a held commit
+    whose trainer left while generation was still paused is reverted
+    (`weight_transfer.vllm.serving`).
     """
 
     init_info_cls: ClassVar[type[WeightTransferInitInfo]]
@@ -363,6 +406,9 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             step = cls.__dict__.get(name)
             if callable(step) and not getattr(step, "__wt_round_step__", False):
                 setattr(cls, name, _round_step(name, step))
+        parse = cls.__dict__.get("parse_init_info")
+        if callable(parse) and not getattr(parse, "__wt_keyed__", False):
+            cls.parse_init_info = _keyed_parse(parse)  # type: ignore[method-assign]
 
     def __init__(
         self,
@@ -390,6 +436,13 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         self._progress = time.monotonic()
         self._expired: str | None = None
         self._watching = False
+        self._control: ControlCheck | None = None  # the served trainer's key (`control`)
+        self._generation: Any = None  # `weight_transfer.vllm.serving.Generation`, inside vLLM
+        self._round_paused = False  # generation was paused when this round began
+        self._round_label: str | None = None  # ... under this weight version label
+        self._held_paused = False  # ... and has stayed paused since the held commit
+        self._held_label: str | None = None  # the label before the held round
+        self._sealed = False  # the trainer said this round is complete (`SEAL_FIELD`)
 
     # -- target selection (draft model) ---------------------------------
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
@@ -455,10 +508,16 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
                     type(self).__name__,
                 )
                 self._abort_round(RuntimeError("superseded by a new start_weight_update"))
+            generation = self._find_generation()
+            self._round_paused = generation is not None and generation.paused() is True
+            self._round_label = generation.label() if self._round_paused else None
+            if self.held is not None and not self._round_paused:
+                self._held_paused = False  # the fleet resumed: it decided for the new weights
             transaction = self.new_transaction()
             transaction.begin()
             self.transaction = transaction
             self._hold = False
+            self._sealed = False
             try:
                 subclass_start()
             except BaseException as error:
@@ -471,6 +530,11 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
                 expired, self._expired = self._expired, None
                 raise RoundAbortedError(expired)
             transaction = self.transaction
+            if transaction is not None and self._control is not None and not self._sealed:
+                raise ControlRefused(
+                    "finish_weight_update before the trainer sealed the round: only the "
+                    "trainer this engine serves may finish it (the round stays open for it)"
+                )
             try:
                 self.drain_pending()
                 subclass_finish()
@@ -480,6 +544,8 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
                     self.release_held()  # an older record, had its release not arrived
                     transaction.commit(keep_undo=True)
                     self.held = transaction
+                    self._held_paused = self._round_paused
+                    self._held_label = self._round_label
                 else:
                     transaction.commit()
             except BaseException as error:
@@ -494,26 +560,113 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         if held is not None:
             held.release()
 
+    # -- a round without its trainer --------------------------------------
+    def trainer_alive(self) -> bool | None:
+        """Whether the trainer this engine serves still has its end open; None when
+        this engine cannot tell. The default asks the backend's `channel` (a
+        `GroupChannel`: a group's store, a control link's socket), if it has one."""
+        group = getattr(getattr(self, "channel", None), "group", None)
+        if group is None:
+            return None
+        try:
+            return bool(group.trainer_alive())
+        except Exception:
+            return None
+
+    def _find_generation(self) -> Any:
+        """vLLM's engine core running this worker, found on a control call's stack. Only
+        an engine of one worker acts on it: with several, one worker's resume would run
+        requests while another still rolls back (they stay paused instead)."""
+        single = self.position.world_size == 1
+        if self._generation is None and single and is_vllm_config(self.vllm_config):
+            from weight_transfer.vllm.serving import Generation
+
+            self._generation = Generation.of_caller()
+        return self._generation
+
+    def _resume_generation(self, why: str) -> None:
+        """Resume generation if it was paused when this round began: the trainer that
+        paused it may never resume it (it died, stalled, or its round failed here)."""
+        paused, self._round_paused = self._round_paused, False
+        if paused:
+            self._resume(why)
+
+    def _resume(self, why: str) -> None:
+        generation = self._generation
+        if generation is not None and generation.paused() is not False:
+            logger.warning("%s: resuming generation (%s)", type(self).__name__, why)
+            generation.resume()
+
+    def _watch(self) -> None:
+        """The watchdog's tick: end a round, or a held commit, that lost its trainer."""
+        self._expire_stale_round()
+        if self.transaction is None and self.held is not None:
+            self._revert_orphaned_hold()
+
     def _expire_stale_round(self) -> None:
-        """Roll back a round with no call in progress for `round_timeout_s` (a trainer
-        that died, or left the round open); its next update or finish says so."""
+        """Roll back a round with no call in progress for `round_timeout_s`, or whose
+        trainer is gone (`trainer_alive()` is False), and resume generation if it
+        was paused for the round; its next update or finish says so."""
         if self.transaction is None or self._busy:
             return
-        idle = time.monotonic() - self._progress
-        if idle < self.round_timeout_s or not self._round_lock.acquire(blocking=False):
+        stalled = time.monotonic() - self._progress >= self.round_timeout_s
+        gone = not stalled and self.trainer_alive() is False
+        if not (stalled or gone) or not self._round_lock.acquire(blocking=False):
             return
         try:
             if self.transaction is None or self._busy:
                 return
-            reason = (
-                f"the round made no progress for {self.round_timeout_s:g}s (no update or "
-                "finish arrived) and was rolled back; start a new one"
-            )
+            if stalled:
+                reason = (
+                    f"the round made no progress for {self.round_timeout_s:g}s (no update or "
+                    "finish arrived) and was rolled back; start a new one"
+                )
+            else:
+                reason = "the trainer left during the round (it died, or closed its end)"
             logger.warning("%s: %s", type(self).__name__, reason)
-            self._abort_round(RoundAbortedError(reason))
-            self._expired = reason
+            try:
+                self._abort_round(RoundAbortedError(reason))
+            finally:
+                self._expired = reason
+                if self.held is not None and self._held_paused and self._round_paused:
+                    self._revert_held_orphan(reason)  # a fleet's revert round, never run
+                self._resume_generation(reason)
         finally:
             self._round_lock.release()
+
+    def _revert_orphaned_hold(self) -> None:
+        """A fleet keeps generation paused on a held commit until it knows every
+        replica finished. A trainer that dies first never decides: revert (the
+        fleet did not confirm the new weights) and resume. Once generation has
+        resumed, the fleet had decided for the new weights: keep them."""
+        generation = self._generation
+        if generation is None or not self._held_paused:
+            return
+        paused = generation.paused()
+        if paused is None:  # cannot tell: decide nothing
+            return
+        if not self._round_lock.acquire(blocking=False):
+            return
+        try:
+            if self.transaction is not None or self.held is None:
+                return
+            if not paused:
+                self._held_paused = False
+                return
+            if self.trainer_alive() is not False:
+                return
+            reason = "the trainer left before its fleet confirmed the held round"
+            self._revert_held_orphan(reason)
+            self._resume(reason)
+        finally:
+            self._round_lock.release()
+
+    def _revert_held_orphan(self, reason: str) -> None:
+        """Revert the held commit a fleet never confirmed and give its label back."""
+        self._held_paused = False
+        self._revert_held(reason)
+        if self._held_label is not None and self._generation is not None:
+            self._generation.set_label(self._held_label)  # its finish set the new one
 
     def _abort_round(self, error: BaseException) -> None:
         """The subclass's `abort_weight_update`, then the transaction's abort; both always run.
@@ -540,12 +693,49 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
                 f"back failed too ({type(first).__name__}: {first})"
             ) from error
 
+    def _connect(self, init_info: Any, subclass_init: Callable[[], None]) -> None:
+        """The subclass's init, then its trainer's control key; refused while a round is
+        open, and without a key while a live keyed trainer holds the engine."""
+        with self._round_lock:
+            if self.transaction is not None:
+                raise RuntimeError(
+                    "init_weight_transfer_engine while a weight update is active: finish "
+                    "the round (or let it fail) before connecting a trainer"
+                )
+            check: ControlCheck | None = getattr(init_info, _KEY_ATTR, None)
+            holder = self._control
+            takeover = bool(getattr(init_info, "replace", False))
+            keyless = check is None and holder is not None and not takeover
+            if keyless and self.trainer_alive() is not False:
+                assert holder is not None
+                raise ControlRefused(
+                    f"init_info: field {CONTROL_KEY_FIELD!r} is missing, but this engine "
+                    f"serves trainer {holder.trainer_id or '(unnamed)'}, which signs its "
+                    "messages; connect through a wt trainer, or take the engine over "
+                    "with replace_trainer=True"
+                )
+            subclass_init()
+            self.release_held()  # a trainer connected: what the last one held is moot
+            if check is None or holder is None or not holder.same_key(check):
+                self._control = check  # the same key again keeps its sequence numbers
+            timeout_s = getattr(init_info, "timeout_s", None)
+            if isinstance(timeout_s, (int, float)) and timeout_s > 0:
+                self.round_timeout_s = float(timeout_s)
+
     # -- payload parsing ---------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> TInitInfo:
-        """Typed init info; `ValueError` naming the field, or the wire-protocol mismatch."""
+        """Typed init info; `ValueError` naming the field, or the wire-protocol mismatch.
+
+        The trainer's control key (`weight_transfer.control`) is taken out
+        first and kept with the parsed info; `init_transfer_engine` installs it
+        once the init succeeded.
+        """
+        init_dict, key = pop_control_key(init_dict)
         declared = issubclass(self.init_info_cls, WireProtocolInfo)
         init_dict = check_wire_protocol(init_dict, required=declared)
-        return parse_payload(self.init_info_cls, init_dict, "init_info")  # type: ignore[return-value]
+        info = parse_payload(self.init_info_cls, init_dict, "init_info")
+        object.__setattr__(info, _KEY_ATTR, key)
+        return info  # type: ignore[return-value]
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> TUpdateInfo:
         """Typed update info; `ValueError` naming the bad or missing field."""
@@ -570,13 +760,20 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
                 self._progress = time.monotonic()
 
     def _update_locked(self, update_info: dict[str, Any]) -> None:
+        if self._control is not None:
+            update_info = self._control.verify(update_info)
+        elif isinstance(update_info, dict) and AUTH_FIELD in update_info:
+            update_info = {k: v for k, v in update_info.items() if k != AUTH_FIELD}  # no key
         if isinstance(update_info, dict):
+            check_control_values(update_info)
             if ABORT_FIELD in update_info:
                 self._abort_on_request(str(update_info[ABORT_FIELD]))
             if REVERT_FIELD in update_info:
+                self._sealed = True  # a control round loads nothing more
                 self._revert_held(str(update_info[REVERT_FIELD]))
                 return
             if RELEASE_FIELD in update_info:
+                self._sealed = True
                 self.release_held()
                 return
         if self._expired is not None:
@@ -585,10 +782,16 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         if isinstance(update_info, dict) and HOLD_FIELD in update_info:
             self._hold_commit()
             return
+        if isinstance(update_info, dict) and SEAL_FIELD in update_info:
+            if self.transaction is None:
+                raise RuntimeError("update_weights called without a matching start_weight_update")
+            self._sealed = True
+            return
         if self.transaction is None:
             raise RuntimeError("update_weights called without a matching start_weight_update")
         self.release_held()  # this round's loads reuse the buffers it holds
         try:
+            self._check_still_paused()
             info = self.parse_update_info(update_info)
             prepare = getattr(self.transaction, "prepare", None)
             if callable(prepare):
@@ -598,10 +801,23 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
                 synchronize_device(self.device)
         except AlignedFailure as failed:  # the channel is fine; raise the cause
             self._abort_round(failed.error)
+            self._resume_generation(f"the round failed: {failed.error}")
             raise failed.error from None
         except BaseException as error:
             self._abort_round(error)
+            self._resume_generation(f"the round failed: {error}")
             raise
+
+    def _check_still_paused(self) -> None:
+        """Refuse to load while requests run: generation was paused when the round began
+        and has been resumed since (by a caller of the server's own routes, say)."""
+        generation = self._generation
+        if self._round_paused and generation is not None and generation.paused() is False:
+            self._round_paused = False
+            raise RuntimeError(
+                "generation was resumed while this round was open: loading now would run "
+                "requests on a half-loaded model, so the round is rolled back"
+            )
 
     def _abort_on_request(self, reason: str) -> None:
         """`ABORT_FIELD`: roll the open round back and raise `RoundAbortedError`

@@ -21,9 +21,10 @@ until it is aborted, which `RoundClient` does before starting its own).
 - `"abort"`: in-flight requests are aborted;
 - `None`: no pause (the caller guarantees no request runs during a round).
 
-A trainer that dies inside a round leaves generation paused: resuming on a
-half-loaded model would kill the engine. The next round resumes it, or an
-operator's `resume_generation()` once the workers have rolled back.
+A trainer that dies inside a round cannot resume what it paused: the engine
+rolls the round back and resumes generation itself (`WeightTransferEngine`,
+`weight_transfer.vllm.serving`); where it cannot reach its engine core, the
+next round resumes it, or an operator's `resume_generation()`.
 
 After a successful `finish_weight_update` each client resets the engine's
 prefix cache (`reset_prefix_cache=True`, the default): cached KV blocks were
@@ -35,7 +36,7 @@ computed with the old weights, and a request sharing a prefix would reuse them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from weight_transfer.base import (
@@ -43,7 +44,8 @@ from weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
-from weight_transfer.rounds import ABORT_FIELD, ABORTED_ON_REQUEST, REVERT_FIELD, round_left_open
+from weight_transfer.control import ABORT_FIELD, REVERT_FIELD
+from weight_transfer.rounds import ABORTED_ON_REQUEST, round_left_open
 
 __all__ = [
     "WeightSyncRPCError",
@@ -70,6 +72,10 @@ class WeightSyncRPCError(RuntimeError):
         self.method = method
         self.detail = detail
         self.status = status
+
+
+def _unsigned(payload: dict[str, Any]) -> dict[str, Any]:
+    return payload
 
 
 class _PausingClient:
@@ -161,7 +167,12 @@ class _PausingClient:
             self._resume()
 
     def control_round(
-        self, payload: dict[str, Any], accept: Sequence[str] = (), *, paused: bool = False
+        self,
+        payload: dict[str, Any],
+        accept: Sequence[str] = (),
+        *,
+        paused: bool = False,
+        sign: Callable[[dict[str, Any]], dict[str, Any]] = _unsigned,
     ) -> None:
         """A round that carries one in-band control and loads nothing (the
         fleet's revert and release, `weight_transfer.fleet`): start, the
@@ -171,7 +182,8 @@ class _PausingClient:
         Generation is paused for a revert only (it changes the weights; the
         prefix cache is reset after it) and resumed after it (`paused`: it is
         paused already, by a `finish_weight_update(resume=False)`); a release
-        touches nothing.
+        touches nothing. `sign` signs each control as it is sent (the fleet
+        passes the trainer's key; see `weight_transfer.control`).
         """
         changes = REVERT_FIELD in payload
         if changes and self.pause is not None and not paused:
@@ -182,10 +194,10 @@ class _PausingClient:
             except WeightSyncRPCError as error:
                 if not round_left_open(error):
                     raise
-                self._end_left_open()
+                self._end_left_open(sign)
                 self._call("start_weight_update")
             try:
-                self._call_update(payload)
+                self._call_update(sign(payload))
             except WeightSyncRPCError as error:
                 if not any(answer in str(error) for answer in accept):
                     raise
@@ -197,9 +209,11 @@ class _PausingClient:
             if changes and self.pause is not None:
                 self._resume()
 
-    def _end_left_open(self) -> None:
+    def _end_left_open(self, sign: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         try:
-            self._call_update({ABORT_FIELD: "a control round starts while this one was left open"})
+            self._call_update(
+                sign({ABORT_FIELD: "a control round starts while this one was left open"})
+            )
         except WeightSyncRPCError as error:
             if ABORTED_ON_REQUEST not in str(error):
                 raise

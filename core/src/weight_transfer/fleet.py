@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any, TypeVar
@@ -52,14 +53,18 @@ from weight_transfer.clients import (
     RayVLLMWeightSyncClient,
     WeightSyncRPCError,
 )
-from weight_transfer.rounds import (
+from weight_transfer.control import (
     ABORT_FIELD,
-    ABORTED_ON_REQUEST,
-    DEFAULT_TIMEOUT_S,
     HOLD_FIELD,
-    NOTHING_HELD,
     RELEASE_FIELD,
     REVERT_FIELD,
+    ControlKey,
+    with_control_key,
+)
+from weight_transfer.rounds import (
+    ABORTED_ON_REQUEST,
+    DEFAULT_TIMEOUT_S,
+    NOTHING_HELD,
     round_left_open,
 )
 from weight_transfer.transport.futures import PEER_GRACE_S, in_background
@@ -73,6 +78,8 @@ PHASES = ("init", "start", "update", "finish")
 # How hosts refuse an update when their round is already closed (vLLM's worker,
 # WorkerSession, the engine base): an abort then has nothing left to do.
 _NO_ROUND_MARKERS = ("must be called before update_weights", "without a matching start")
+_CONFIRM_PERIOD_S = 1.0  # between two reads of a replica whose rollback is unconfirmed
+_CONFIRM_WITHIN_S = 30.0  # how long such a replica is asked again
 
 
 class FleetError(WeightSyncRPCError):
@@ -153,6 +160,16 @@ class FanOutClient:
         self._open: set[int] = set()  # replicas in the round
         self._previous: list[str | None] = [None] * len(self.replicas)  # labels before it
         self._settling: Future[list[str]] | None = None  # a failed update's rollback
+        self.control: ControlKey | None = None  # the trainer's key: signs the fleet's controls
+        self._round = 0  # counts starts: a rollback still confirming stops when a new one starts
+
+    def bind_control(self, control: ControlKey) -> None:
+        """Sign the controls this fleet sends, and key its init payloads, with the
+        trainer's key (`RoundClient` binds it)."""
+        self.control = control
+
+    def _sign(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return payload if self.control is None else self.control.sign(payload)
 
     @classmethod
     def http(cls, urls: Sequence[str], **client_kwargs: Any) -> FanOutClient:
@@ -221,8 +238,9 @@ class FanOutClient:
         trainer hosting a rendezvous must stop waiting); the rest go on."""
         if len(payloads) != len(self.replicas):
             raise ValueError(f"{len(payloads)} init payloads for {len(self.replicas)} replicas")
+        keyed = [with_control_key(p, self.control) for p in payloads]
         futures = self._fan(
-            "init", lambda i, r: r.init_weight_transfer_engine(payloads[i]), self.indexes
+            "init", lambda i, r: r.init_weight_transfer_engine(keyed[i]), self.indexes
         )
         failed = self._fail_fast(futures)
         if failed is not None:
@@ -236,10 +254,11 @@ class FanOutClient:
         `FleetError("start", ...)` with every replica back out of the round.
         """
         unrecovered = self._wait_settled()
+        self._round += 1
         if unrecovered:
             logger.warning("the last failed round left replicas open: %s", "; ".join(unrecovered))
         if not self.all_or_nothing:
-            self._each("start_weight_update", lambda i, r: _start(r))
+            self._each("start_weight_update", lambda i, r: _start(r, self._sign))
             return
         labels = self._fan("weight_version", lambda i, r: _weight_version(r), self.indexes)
         self._settle(labels)
@@ -247,21 +266,22 @@ class FanOutClient:
         if failed is not None:  # nothing has started anywhere
             self._fail("start", *failed, unrecovered=[])
         self._previous = [labels[i].result() for i in self.indexes]
-        starts = self._fan("start", lambda i, r: _start(r), self.indexes)
+        starts = self._fan("start", lambda i, r: _start(r, self._sign), self.indexes)
         self._settle(starts)
         with self._lock:
             self._open = set(self.indexes)  # a start whose answer was lost may have opened one
         failed = self._first_failure(starts)
         if failed is None:
             holds = self._fan(
-                "hold", lambda i, r: r.update_weights({HOLD_FIELD: True}), self.indexes
+                "hold", lambda i, r: r.update_weights(self._sign({HOLD_FIELD: True})), self.indexes
             )
             self._settle(holds)
             failed = self._first_failure(holds)
         if failed is not None:
             # Nothing was loaded yet: a replica that cannot be aborted now serves
             # its previous weights, and its engine rolls the empty round back.
-            for failure in self._abort(self._take_open(), "the start phase failed"):
+            aborting = self._take_open()
+            for failure in self._abort(aborting, "the start phase failed", confirm=False):
                 logger.warning("%s (it loaded nothing; its round expires)", failure)
             self._fail("start", *failed, unrecovered=[])
 
@@ -348,19 +368,62 @@ class FanOutClient:
             settling, self._settling = self._settling, None
         if settling is None:
             return []
-        try:  # it waits for the calls, then for the aborts: each bounded by timeout_s
-            return settling.result(timeout=2 * self.timeout_s + PEER_GRACE_S)
+        # it waits for the calls, then the aborts (each bounded by timeout_s), then confirms
+        bound = 2 * self.timeout_s + min(self.timeout_s, _CONFIRM_WITHIN_S) + PEER_GRACE_S
+        try:
+            return settling.result(timeout=bound)
         except Exception as e:
             return [f"the rollback did not finish: {e}"]
 
     def _fail(self, phase: str, i: int, error: BaseException, *, unrecovered: list[str]) -> None:
         raise FleetError(phase, i, self.names[i], error, unrecovered) from error
 
-    def _abort(self, which: Sequence[int], reason: str) -> list[str]:
-        """Abort the round on `which`; what could not be aborted."""
-        aborts = self._fan("abort", lambda i, r: _abort(r, reason), which)
+    def _abort(self, which: Sequence[int], reason: str, *, confirm: bool = True) -> list[str]:
+        """Abort the round on `which`; the replicas whose rollback is not confirmed.
+
+        With `confirm`, a replica whose abort failed (no answer: its engine was
+        busy, the connection broke) is asked again for up to `_CONFIRM_WITHIN_S`
+        (at most `timeout_s`): an abort answered "aborted" or "no round", and its
+        previous label read back, confirm it is on its previous weights
+        (`_confirm_rolled_back`). Without, every failed abort is listed.
+        """
+        aborts = self._fan("abort", lambda i, r: _abort(r, reason, self._sign), which)
         self._settle(aborts)
-        return self._failures("abort", aborts)
+        failed = [i for i, future in aborts.items() if self._outcome(future) is not None]
+        if not confirm:
+            return self._failures("abort", {i: aborts[i] for i in failed})
+        if not failed:
+            return []
+        round_ = self._round
+        confirms = self._fan(
+            "confirm", lambda i, r: self._confirm_rolled_back(i, r, reason, round_), failed
+        )
+        self._settle(confirms)
+        return [
+            f"abort of replica {i} ({self.names[i]}) failed: {self._outcome(aborts[i])}; "
+            f"then {self._outcome(confirms[i])}"
+            for i in failed
+            if self._outcome(confirms[i]) is not None
+        ]
+
+    def _confirm_rolled_back(self, i: int, replica: Any, reason: str, round_: int) -> None:
+        """Ask replica `i` again (bounded) until its round is confirmed closed and its
+        label is the previous one; raise saying what is still unconfirmed. Stops when
+        round `round_` is over (a new start must never meet one of these aborts)."""
+        deadline = time.monotonic() + min(self.timeout_s, _CONFIRM_WITHIN_S)
+        while True:
+            if self._round != round_:
+                raise RuntimeError("its rollback is not confirmed: a new round started")
+            try:
+                _abort(replica, reason, self._sign)
+                label = _weight_version(replica)
+                if label == self._previous[i] or self._previous[i] is None:
+                    return
+                raise RuntimeError(f"its label is {label!r}, not {self._previous[i]!r}")
+            except Exception as error:
+                if time.monotonic() + _CONFIRM_PERIOD_S >= deadline:
+                    raise RuntimeError(f"its rollback is not confirmed: {error}") from error
+            time.sleep(_CONFIRM_PERIOD_S)
 
     def _revert(self, which: set[int], *, required: bool) -> list[str]:
         """Revert `which` to their held records and labels. Not `required`: a
@@ -371,7 +434,7 @@ class FanOutClient:
         def revert(i: int, replica: Any) -> None:
             paused = bool(getattr(replica, "resumes_on_request", False))
             payload = {REVERT_FIELD: "another replica failed"}
-            _control_round(replica, payload, accept, paused=paused)
+            _control_round(replica, payload, self._sign, accept, paused=paused)
             _set_weight_version(replica, self._previous[i])
 
         reverts = self._fan("revert", revert, sorted(which))
@@ -380,7 +443,9 @@ class FanOutClient:
 
     def _release(self, which: set[int]) -> None:
         payload = {RELEASE_FIELD: "every replica finished"}
-        releases = self._fan("release", lambda i, r: _control_round(r, payload), sorted(which))
+        releases = self._fan(
+            "release", lambda i, r: _control_round(r, payload, self._sign), sorted(which)
+        )
         self._settle(releases)
         for failure in self._failures("release", releases):
             logger.warning("%s (it keeps its undo record until its next round loads)", failure)
@@ -404,14 +469,17 @@ class FanOutClient:
 
 
 # -- one replica ---------------------------------------------------------------
-def _start(replica: Any) -> None:
+Sign = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _start(replica: Any, sign: Sign) -> None:
     """Start a round; one left open there (a trainer that died in it) is aborted first."""
     try:
         replica.start_weight_update()
     except Exception as error:
         if not round_left_open(error):
             raise
-        _abort(replica, "a new round starts while this one was left open")
+        _abort(replica, "a new round starts while this one was left open", sign)
         replica.start_weight_update()
 
 
@@ -430,10 +498,10 @@ def _resume(replica: Any) -> None:
         replica.resume_generation()
 
 
-def _abort(replica: Any, reason: str) -> None:
+def _abort(replica: Any, reason: str, sign: Sign) -> None:
     """End the replica's round, rolling it back; a round already closed is fine."""
     try:
-        replica.update_weights({ABORT_FIELD: reason})
+        replica.update_weights(sign({ABORT_FIELD: reason}))
     except Exception as error:
         if not _answered(error, (ABORTED_ON_REQUEST, *_NO_ROUND_MARKERS)):
             raise
@@ -442,18 +510,23 @@ def _abort(replica: Any, reason: str) -> None:
 
 
 def _control_round(
-    replica: Any, payload: dict[str, Any], accept: Sequence[str] = (), *, paused: bool = False
+    replica: Any,
+    payload: dict[str, Any],
+    sign: Sign,
+    accept: Sequence[str] = (),
+    *,
+    paused: bool = False,
 ) -> None:
     """A round that carries one in-band control and loads nothing: start, the
     control, finish; a refusal naming one of `accept` is an answer too.
     `paused`: the replica's generation is paused already (the client resumes it)."""
     run = getattr(replica, "control_round", None)
     if callable(run):
-        run(payload, accept, paused=paused)
+        run(payload, accept, paused=paused, sign=sign)
         return
-    _start(replica)
+    _start(replica, sign)
     try:
-        replica.update_weights(payload)
+        replica.update_weights(sign(payload))
     except Exception as error:
         if _answered(error, accept):
             return

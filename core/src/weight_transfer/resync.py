@@ -24,6 +24,8 @@ need (names, wire dtype names and shapes, in metadata order).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from abc import abstractmethod
 from collections.abc import Iterator
@@ -43,7 +45,13 @@ from weight_transfer.source import ParamMeta, WeightSource, checked_iteration
 from weight_transfer.transport.channel import ChannelDownError
 from weight_transfer.transport.dtypes import dtype_from_name, dtype_name
 
-__all__ = ["ResyncTrainerEngine", "ParamListUpdateInfo", "param_list_payload"]
+__all__ = [
+    "ResyncTrainerEngine",
+    "ParamListUpdateInfo",
+    "param_list_payload",
+    "PARAM_LIST_FIELDS",
+    "param_list_digests",
+]
 
 TInfo = TypeVar("TInfo", bound=TrainerInitInfo)
 logger = logging.getLogger("weight_transfer")
@@ -56,6 +64,25 @@ def param_list_payload(metas: list[ParamMeta]) -> dict[str, Any]:
         "dtype_names": [dtype_name(m.dtype) for m in metas],
         "shapes": [list(m.shape) for m in metas],
     }
+
+
+PARAM_LIST_FIELDS = ("names", "dtype_names", "shapes")
+
+
+def param_list_digests(payload: dict[str, Any]) -> list[int]:
+    """One signed 64-bit digest per field of `PARAM_LIST_FIELDS` in `payload`.
+
+    A transport puts the trainer's digests on its own wire (the nccl header,
+    say) so that a worker can tell, before it sizes a single receive, that the
+    update info it was handed declares exactly the layout the trainer sends,
+    and name the field that differs when it does not.
+    """
+    digests = []
+    for name in PARAM_LIST_FIELDS:
+        text = json.dumps(payload[name], separators=(",", ":")).encode()
+        raw = hashlib.blake2b(text, digest_size=8).digest()
+        digests.append(int.from_bytes(raw, "little", signed=True))
+    return digests
 
 
 @dataclass

@@ -5,8 +5,8 @@ Core drives every round the same way, whatever the backend:
     round = engine.open_round(...)          # start_weight_update; hooks: started
     round.update(update_info, transmit)     # update_weights in flight while
                                             # transmit(transfer) moves the bytes
-    round.finish(weight_version)            # waits for update_weights, then
-                                            # finish_weight_update(weight_version)
+    round.finish(weight_version)            # waits for update_weights, seals the
+                                            # round, then finish_weight_update(weight_version)
 
 Rules every round keeps, so no backend has to:
 
@@ -36,6 +36,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from weight_transfer.control import (
+    ABORT_FIELD,
+    HOLD_FIELD,
+    RELEASE_FIELD,
+    REVERT_FIELD,
+    SEAL_FIELD,
+    ControlKey,
+    with_control_key,
+)
 from weight_transfer.hooks import SyncTracker
 from weight_transfer.transport.futures import PEER_GRACE_S, await_transfer, in_background
 
@@ -57,20 +66,9 @@ T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 300.0
 UPDATE_CALL = "the workers' update_weights"
-# An update payload `{ABORT_FIELD: reason}` ends the open round on every worker:
-# the engine rolls it back and refuses the update with a message starting
-# ABORTED_ON_REQUEST, which makes the host close its round too (the control
-# routes have no abort of their own; only the message crosses HTTP).
-ABORT_FIELD = "wt_abort"
+# The engine refuses an abort (`ABORT_FIELD`, see `weight_transfer.control`) with a
+# message starting ABORTED_ON_REQUEST; only the message crosses HTTP.
 ABORTED_ON_REQUEST = "aborted on request"
-# The fleet's in-band controls (`weight_transfer.fleet`), carried the same way:
-# `{HOLD_FIELD: True}` asks the open round to keep its undo record after it
-# commits; in a round of its own, `{REVERT_FIELD: reason}` restores the weights
-# that record saved and `{RELEASE_FIELD: reason}` drops it (that round then
-# loads nothing and finishes normally).
-HOLD_FIELD = "wt_hold"
-REVERT_FIELD = "wt_revert"
-RELEASE_FIELD = "wt_release"
 NOTHING_HELD = "no committed round is held"  # a revert with nothing to revert
 # How hosts refuse a start while their round is open (vLLM's worker, WorkerSession).
 _ROUND_OPEN_MARKERS = ("weight update is already active", "while a weight update is active")
@@ -89,6 +87,10 @@ def new_trainer_id() -> str:
 class RoundClient:
     """The caller's `VLLMWeightSyncClient` as a trainer engine uses it.
 
+    Every payload it sends is signed with its `control` key, which its
+    `init_weight_transfer_engine` ships to the workers
+    (`weight_transfer.control`); `finish_weight_update` seals the round first.
+
     `update_weights` starts the call on a daemon thread and returns, so the
     backend can transmit while the workers receive; `pending` is that call.
     The next `update_weights` or `finish_weight_update` first waits for it (at
@@ -99,17 +101,22 @@ class RoundClient:
     client's.
     """
 
-    def __init__(self, client: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, client: Any, timeout_s: float = DEFAULT_TIMEOUT_S, *, trainer_id: str = ""
+    ) -> None:
         self.inner = client
         self.timeout_s = timeout_s
         self.pending: Future[None] | None = None
         self._leftover: Future[None] | None = None
+        self.control = ControlKey(trainer_id)
+        if hasattr(type(client), "bind_control"):  # a client sending controls of its own
+            client.bind_control(self.control)  # (a fleet) signs them with this key
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.inner.init_weight_transfer_engine(init_info)
+        self.inner.init_weight_transfer_engine(with_control_key(init_info, self.control))
 
     def start_weight_update(self) -> None:
         """Start a round; one left open on the workers (a trainer that died
@@ -129,15 +136,16 @@ class RoundClient:
     def abort_round(self, reason: str) -> None:
         """End the round open on the workers, rolling it back (`ABORT_FIELD`)."""
         try:
-            self.inner.update_weights({ABORT_FIELD: reason})
+            self.inner.update_weights(self.control.sign({ABORT_FIELD: reason}))
         except Exception as error:
             if ABORTED_ON_REQUEST not in str(error):
                 raise
 
     def update_weights(self, update_info: Any) -> None:
         self.wait_update()
+        signed = self.control.sign(update_info)
         self.pending = in_background(
-            lambda: self.inner.update_weights(update_info), name="wt-update-rpc"
+            lambda: self.inner.update_weights(signed), name="wt-update-rpc"
         )
 
     def wait_update(self) -> None:
@@ -164,7 +172,9 @@ class RoundClient:
             ending(error)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Seal the round (`SEAL_FIELD`: nothing more comes), then finish it."""
         self.wait_update()
+        self.inner.update_weights(self.control.sign({SEAL_FIELD: True}))
         if weight_version is None:
             self.inner.finish_weight_update()
         else:

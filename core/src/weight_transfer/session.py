@@ -8,7 +8,8 @@ in-process worker directly.
 Rules: `start_weight_update` opens a round (error if one is open);
 `update_weights` and `finish_weight_update` need an open round; a failed
 `update_weights` or `finish_weight_update` closes the round (the engine's
-base class has rolled it back);
+base class has rolled it back), except a finish refused for want of its
+trainer's seal, which leaves the round open for the trainer (as vLLM's does);
 `shutdown_weight_transfer_engine` is refused while a round is open.
 """
 
@@ -22,6 +23,7 @@ from weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
+from weight_transfer.control import ControlRefused
 
 __all__ = ["WorkerSession"]
 
@@ -96,11 +98,24 @@ class WorkerSession:
             raise RuntimeError("finish_weight_update called without a matching start_weight_update")
         try:
             self.engine.finish_weight_update()  # a failed finish has rolled back
-        finally:
-            self._active = False
-            self.engine.reset_weight_update_target()
+        except ControlRefused:
+            raise  # a finish before its trainer's seal: the round stays open for the trainer
+        except BaseException:
+            self._end_round()
+            raise
+        self._end_round()
         if weight_version is not None:
             self.weight_version = weight_version
+
+    def abandon_round(self) -> None:
+        """End an open round from the host's side, as vLLM's worker does after a failed
+        call: the engine rolls it back. A no-op without an open round."""
+        if self._active:
+            self._end_round()
+
+    def _end_round(self) -> None:
+        self._active = False
+        self.engine.reset_weight_update_target()
 
     def set_weight_version(self, version: str) -> None:
         """Set the version label (a fleet restores it when it reverts a round)."""

@@ -141,15 +141,33 @@ def test_a_failure_in_any_phase_keeps_every_replica_on_the_previous_weights(
     fleet.assert_all(3, "v3")
 
 
-def test_a_rollback_that_cannot_reach_a_replica_is_named_in_the_error(fleet: Fleet) -> None:
+def test_an_abort_lost_once_is_asked_again_and_only_an_unconfirmed_rollback_is_named(
+    fleet: Fleet,
+) -> None:
+    """`FleetError.unrecovered` names only replicas whose rollback is not confirmed: a
+    replica whose first abort is lost is asked again (confirmed: round closed, previous
+    label); one that never answers while it is asked again is named."""
     fleet.sync(1, "v1")
     fleet.clients[1].fault = ("update", "refused")
-    fleet.clients[2].unreachable_for_abort = True
+    fleet.clients[2].unreachable_for_aborts = 1
     with pytest.raises(FleetError) as failed:
         fleet.sync(2, "v2")
     assert (failed.value.phase, failed.value.replica) == ("update", 1)
+    assert failed.value.unrecovered == [] and "NOT rolled back" not in str(failed.value)
+    fleet.assert_all(1, "v1")
+
+    fleet.client.timeout_s = 5.0  # the window in which replica 2 stays silent
+    fleet.clients[1].fault = ("update", "refused")
+    fleet.clients[2].unreachable_for_aborts = 100
+    try:
+        with pytest.raises(FleetError) as failed:
+            fleet.sync(2, "v2")
+    finally:
+        fleet.client.timeout_s = 60.0
+        fleet.clients[2].unreachable_for_aborts = 0
     assert len(failed.value.unrecovered) == 1 and "replica 2" in failed.value.unrecovered[0]
     assert "NOT rolled back: abort of replica 2" in str(failed.value)
+    assert "rollback is not confirmed" in failed.value.unrecovered[0]
     fleet.assert_all(1, "v1")  # replica 2 rolled back by itself: its trainer left the group
     fleet.sync(3, "v3")
     fleet.assert_all(3, "v3")

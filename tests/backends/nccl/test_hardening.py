@@ -117,3 +117,103 @@ def test_one_trainer_per_engine_unless_the_new_one_replaces_it() -> None:
         third.send_weights()
         assert pool.each("digests") == [want]
         third.shutdown()
+
+
+class _Relay:
+    """Forwards to `inner`, rewriting each round's update info with `rewrite`. With
+    `key` (a faulty control plane that read the init payload, which carries the
+    trainer's key) it signs the altered payload again; without, the payload keeps
+    the trainer's signature, as a relay or an HTTP caller without the key must."""
+
+    def __init__(self, inner: Any, rewrite: Any) -> None:
+        self.inner = inner
+        self.rewrite = rewrite
+        self.key: Any = None
+        self.inits = 0
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.inits += 1
+        self.inner.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.inner.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        if "names" in update_info and self.rewrite is not None:
+            update_info = self.rewrite(dict(update_info))
+            if self.key is not None:
+                update_info = self.key.sign(update_info)
+        self.inner.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.inner.finish_weight_update(weight_version)
+
+
+def _transposed(payload: dict[str, Any]) -> dict[str, Any]:
+    """The first 2-D tensor declared transposed: the same bytes, another layout."""
+    shapes = [list(s) for s in payload["shapes"]]
+    i = next(i for i, s in enumerate(shapes) if len(s) == 2 and s[0] != s[1])
+    shapes[i] = shapes[i][::-1]
+    return {**payload, "shapes": shapes}
+
+
+def _narrowed(payload: dict[str, Any]) -> dict[str, Any]:
+    """The first float32 tensor declared bfloat16: every later offset moves."""
+    dtypes = list(payload["dtype_names"])
+    dtypes[dtypes.index("float32")] = "bfloat16"
+    return {**payload, "dtype_names": dtypes}
+
+
+def _renamed(payload: dict[str, Any]) -> dict[str, Any]:
+    names = list(payload["names"])
+    names[-1] = "lm_head.bias"
+    return {**payload, "names": names}
+
+
+@pytest.mark.parametrize(
+    ("rewrite", "field"),
+    [(_transposed, "shapes"), (_narrowed, "dtype_names"), (_renamed, "names")],
+    ids=["transposed", "narrowed", "renamed"],
+)
+def test_an_update_rewritten_on_its_way_is_refused_naming_the_field_and_changes_nothing(
+    rewrite: Any, field: str
+) -> None:
+    """Without the key the signature fails; with it (a faulty control plane), the
+    trainer's header on the wire does not match: either way the worker refuses before
+    it sizes a receive (a wrong size used to abort its process), keeps its weights,
+    and the group carries the next round as it is."""
+    first, second = mixed_tensors(11), mixed_tensors(12)
+    with WorkerPool("nccl", 1, names=list(first)) as pool:
+        relay = _Relay(pool.client(), None)
+        info = NCCLTrainerInitInfo(
+            "127.0.0.1", free_port(), 2, rank=0, timeout_s=60.0, packed_buffer_size_bytes=2048
+        )
+        engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=relay, source=DictSource(first)
+        )
+        engine.send_weights()
+        want = {n: digest(t) for n, t in first.items()}
+
+        engine.source = DictSource(second)
+        relay.rewrite = rewrite
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncRPCError, match="field 'wt_auth' does not prove"):
+            engine.send_weights()  # signed by the trainer, altered on its way
+        assert time.monotonic() - t0 < 10.0  # not the 60 s timeout
+        assert pool.each("digests") == [want]
+        # The worker refused before it touched the wire, the trainer's broadcast failed:
+        # the next round re-forms the group first.
+
+        relay.key = engine.client.control
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncRPCError, match=f"field '{field}' differs from the"):
+            engine.send_weights()  # signed again with the trainer's key
+        assert time.monotonic() - t0 < 10.0
+        assert pool.each("digests") == [want]  # the worker is alive and kept its weights
+        group, inits = engine.channel.group, relay.inits
+
+        relay.rewrite = None
+        engine.send_weights()
+        assert pool.each("digests") == [{n: digest(t) for n, t in second.items()}]
+        assert (engine.channel.group, relay.inits) == (group, inits)  # drained: still in step
+        engine.shutdown()

@@ -108,7 +108,8 @@ def test_a_byte_flipped_in_transit_refuses_the_round_and_keeps_the_previous_weig
     # Worker 0 received every byte intact; its round stays open (uncommitted) until the
     # trainer's next start aborts it. End it now to compare its weights too.
     with pytest.raises(WeightSyncRPCError, match="aborted on request"):
-        pool.on(0, "update_weights", {"wt_abort": "the trainer's round failed"})
+        pool.on(0, "update_weights", engine.client.control.sign(
+            {"wt_abort": "the trainer's round failed"}))  # fmt: skip
     assert weights(pool) == [before] * WORKERS
 
     third = mixed_tensors(3, big_numel=BIG)

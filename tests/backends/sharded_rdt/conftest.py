@@ -11,7 +11,6 @@ trainer rank, each hosting its producer in this process.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import itertools
 import time
 from collections.abc import Iterator
@@ -22,7 +21,6 @@ import torch
 
 from tests.backends.sharded_rdt.models import ShardedModel, reference
 from weight_transfer import FanOutClient, WeightSource, WorkerPosition, WorkerSession
-from weight_transfer.backend import ABORT_FIELD, RoundAbortedError
 from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo
 from wt_sharded_rdt.worker import ShardedRDTWorkerEngine
 
@@ -31,7 +29,8 @@ _prefixes = itertools.count()
 
 
 class ReplicaClient:
-    """One replica: every call goes to all its workers at once; the first error raises."""
+    """One replica: every call goes to all its workers at once and waits for all of
+    them (as vLLM's `collective_rpc` does); then the first error raises."""
 
     def __init__(self, sessions: list[WorkerSession]) -> None:
         self.sessions = sessions
@@ -46,8 +45,9 @@ class ReplicaClient:
             for i, s in enumerate(self.sessions)
             if not (method == "update_weights" and i in self.skip_update)
         ]
+        concurrent.futures.wait(futures, timeout=CALL_TIMEOUT_S)
         for future in futures:
-            future.result(CALL_TIMEOUT_S)
+            future.result(0)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._all("init_weight_transfer_engine", init_info)
@@ -104,15 +104,13 @@ class Shards:
     def wait_closed(self) -> None:
         """Until every consumer's round has closed (bounded). A worker whose update
         succeeded while another's failed holds its round open, as a host does after
-        a failed sync: it is ended the way the next round's start ends it."""
+        a failed sync: its host ends it (the engine rolls it back)."""
         deadline = time.monotonic() + CALL_TIMEOUT_S
         while time.monotonic() < deadline:
             busy = [e._busy for e in self.engines]
             if not any(busy):
                 for session in self.sessions:
-                    if session.active:
-                        with contextlib.suppress(RoundAbortedError):
-                            session.update_weights({ABORT_FIELD: "the sync failed"})
+                    session.abandon_round()
                 if not any(e.round_open for e in self.engines):
                     return
             time.sleep(0.02)

@@ -24,7 +24,12 @@ from wt_tools.local_ray import LOOPBACK_ENV, local_ray, set_loopback_env
 set_loopback_env()
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-ACTOR_ENV = {**LOOPBACK_ENV, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+# The actors import this checkout (and whatever this process has on its path first).
+ACTOR_ENV = {
+    **LOOPBACK_ENV,
+    "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+    "OMP_NUM_THREADS": "1",
+}
 CALL_TIMEOUT_S = 120.0
 
 
@@ -72,16 +77,32 @@ class Consumer:
         params = {n: p.detach().clone() for n, p in self.model.state_dict().items()}
         return params, self.engine.pulled_bytes, self.model.kept_bytes()
 
+    def corrupt(self, name: str | None, at: int = 5) -> int:
+        """Flip byte `at` of `name`'s first slice in every pull of it this worker lands,
+        before the pull is checked (core's test-only `RECEIVE_HOOKS`, in this process);
+        returns the pull's index. `None` removes the hook."""
+        from weight_transfer.transport.digest import RECEIVE_HOOKS
+
+        RECEIVE_HOOKS.clear()  # this worker's process: only this method installs hooks
+        if name is None:
+            return -1
+        plan = self.engine.plan
+        chunk = next(c for c in plan.chunks if any(k[0] == name for k in c.keys))
+        offset = chunk.offsets[[k[0] for k in chunk.keys].index(name)] + at
+
+        def flip(k: int, buf: torch.Tensor) -> None:
+            if k == chunk.index:
+                buf[offset] ^= 0xFF
+
+        RECEIVE_HOOKS.append(flip)
+        return int(chunk.index)
+
     def round_open(self) -> bool:
         return bool(self.engine.round_open or self.session.active)
 
     def end_round(self) -> None:
-        """End a round left open (as the next round's start would)."""
-        from weight_transfer.backend import ABORT_FIELD, RoundAbortedError
-
-        if self.session.active:
-            with contextlib.suppress(RoundAbortedError):
-                self.session.update_weights({ABORT_FIELD: "the sync failed"})
+        """End a round left open, from the host's side (the engine rolls it back)."""
+        self.session.abandon_round()
 
 
 class ActorsClient:

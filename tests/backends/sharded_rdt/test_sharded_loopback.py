@@ -7,9 +7,11 @@ the ordinary way (`models.reference`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -20,9 +22,12 @@ from tests.backends.sharded_rdt.models import (
     UnsupportedModel,
     checkpoint,
     held_part,
+    reference,
 )
 from tests.sources import DictSource
-from weight_transfer.backend import ABORT_FIELD, RoundAbortedError
+from weight_transfer.control import with_control_key
+from weight_transfer.transport.digest import RECEIVE_HOOKS
+from wt_sharded_rdt.protocol import ShardedRDTUpdateInfo
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -198,8 +203,9 @@ def test_silent_consumer_fails_the_sync_within_the_watchdog(shards: Any) -> None
             trainer.send_weights()
         assert time.monotonic() - started < 20
         # consumer 1 never saw the update; its host ends the round it holds open
-        with pytest.raises(RoundAbortedError):
-            s.sessions[1].update_weights({ABORT_FIELD: "the sync failed"})
+        assert s.sessions[1].active
+        s.sessions[1].abandon_round()
+        assert not s.engines[1].round_open
         s.replicas[0].skip_update = set()
         trainer.send_weights()
         s.assert_serving(2)
@@ -382,5 +388,152 @@ def test_a_plain_module_with_an_empty_parameter(shards: Any) -> None:
         assert engine.plan is not None
         (chunk,) = [c for c in engine.plan.chunks if ("empty", ()) in c.keys]
         assert chunk.numels[chunk.keys.index(("empty", ()))] == 0
+    finally:
+        trainer.shutdown()
+
+
+# -- verified bytes ------------------------------------------------------------------------
+@contextlib.contextmanager
+def corrupting(engine: Any, name: str, at: int = 5) -> Iterator[int]:
+    """Flip byte `at` of `name`'s first slice in every blob of `name` that `engine`
+    receives, after it landed and before it is checked (core's test-only
+    `RECEIVE_HOOKS`, run by the consumer on each landed pull); yields the pull's index."""
+    assert engine.plan is not None
+    chunk = next(c for c in engine.plan.chunks if any(k[0] == name for k in c.keys))
+    offset = chunk.offsets[[k[0] for k in chunk.keys].index(name)] + at
+    slots = {slot.data_ptr() for slot in engine.slots}
+
+    def flip(k: int, buf: torch.Tensor) -> None:
+        if k == chunk.index and buf.data_ptr() in slots:  # this consumer's pull only
+            buf[offset] ^= 0xFF
+
+    RECEIVE_HOOKS.append(flip)
+    try:
+        yield chunk.index
+    finally:
+        RECEIVE_HOOKS.remove(flip)
+
+
+def test_verified_sync_refuses_a_corrupted_pull_and_keeps_every_weight(shards: Any) -> None:
+    s = shards(2)
+    name = "layers.1.o.weight"
+    # without verify the flipped byte lands in the model unnoticed: the hook does corrupt
+    plain_source = HeldSource(checkpoint(1))
+    plain = s.trainer(plain_source)
+    with corrupting(s.engines[1], name):
+        plain_source.tensors = checkpoint(2)
+        plain.send_weights()
+    s.wait_closed()
+    assert not torch.equal(s.models[1].layers[1].o.weight, reference(2, 1, 2)["layers.1.o.weight"])
+    plain.shutdown()
+
+    source = HeldSource(checkpoint(3))
+    trainer = s.trainer(source, producer_prefix=s.prefix + "-v", verify=True)
+    try:
+        trainer.send_weights()
+        s.assert_serving(3)  # a clean verified sync is bit-exact
+        with corrupting(s.engines[1], name) as pull:
+            source.tensors = checkpoint(2)
+            with pytest.raises(
+                Exception,
+                match=rf"verify: consumer 1: pull {pull} \(group 2\) from {s.prefix}-v-rk0: the "
+                rf"slice of '{name}' \(narrow\(1, 16, 16\)\) arrived different",
+            ):
+                trainer.send_weights()
+        s.assert_serving(3)
+        trainer.send_weights()  # no re-init
+        s.assert_serving(2)
+    finally:
+        trainer.shutdown()
+
+
+# -- an update or a handshake rewritten on its way -------------------------------------------
+def forge_updates(engine: Any, rewrite: Any) -> None:
+    """Rewrite every update `engine` receives, after core parsed (and checked) it."""
+    receive = type(engine).receive_weights
+
+    def forged(update_info: ShardedRDTUpdateInfo) -> None:
+        receive(engine, rewrite(update_info))
+
+    engine.receive_weights = forged
+
+
+@pytest.mark.parametrize(
+    ("trainer_live", "rewrite", "refusal"),
+    [
+        (None, lambda u: replace(u, trainer_id=""), r"field 'trainer_id' is ''"),
+        (None, lambda u: replace(u, sync_id=u.sync_id + 5), r"'sync_id'"),
+        (None, lambda u: replace(u, live_consumers=[0]), r"consumer 1 skipped.*'live_consumers'"),
+        (
+            None,
+            lambda u: replace(u, live_consumers=[0, 1, 99]),
+            r"'live_consumers' names consumer 99",
+        ),
+        ([0], lambda u: replace(u, live_consumers=[0, 1]), r"consumer 1 pulled .*'live_consumers'"),
+    ],
+    ids=["trainer_id", "sync_id ahead", "left out", "out of range", "let in"],
+)
+def test_a_rewritten_update_is_refused_and_the_next_sync_works(
+    shards: Any, trainer_live: list[int] | None, rewrite: Any, refusal: str
+) -> None:
+    """Consumer 1's update info is rewritten: the sync fails naming the field, every
+    consumer keeps its weights bit-exactly, and the next sync (not rewritten) works."""
+    s = shards(2)
+    source = HeldSource(checkpoint(1))
+    trainer = s.trainer(source)
+    try:
+        source.tensors = checkpoint(2)
+        trainer.send_weights()
+        forge_updates(s.engines[1], rewrite)
+        source.tensors = checkpoint(3)
+        with pytest.raises(Exception, match=refusal):
+            trainer.send_weights(live_consumers=trainer_live)
+        s.assert_serving(2)
+        del s.engines[1].receive_weights
+        trainer.send_weights()
+        s.assert_serving(3)
+    finally:
+        trainer.shutdown()
+
+
+def _forge_entry(field: str, name: str, value: Any) -> Any:
+    def forge(payload: dict[str, Any]) -> None:
+        payload[field][payload["names"].index(name)] = value
+
+    return forge
+
+
+@pytest.mark.parametrize(
+    ("field", "forge"),
+    [
+        ("shapes", _forge_entry("shapes", "layers.0.router.weight", [32, 4])),
+        ("dtype_names", _forge_entry("dtype_names", "norm.weight", "bfloat16")),
+        ("names", _forge_entry("names", "layers.1.o.weight", "layers.1.o.bias")),
+        ("verify", lambda payload: payload.update(verify=True)),
+        ("owner_sets", lambda payload: payload.update(owner_sets=[[0], [0]])),
+    ],
+    ids=["shapes", "dtype_names", "names", "verify", "owner_sets"],
+)
+def test_a_handshake_that_disagrees_with_the_producers_is_refused(
+    shards: Any, field: str, forge: Any
+) -> None:
+    """Consumer 1 is handed a handshake that does not describe what the producers
+    serve: its init is refused naming the field, before it plans or reserves anything;
+    it keeps serving its weights, and the next sync re-admits it with the real one."""
+    s = shards(2)
+    source = HeldSource(checkpoint(1))
+    trainer = s.trainer(source)
+    try:
+        source.tensors = checkpoint(2)
+        trainer.send_weights()
+        payload = trainer.get_worker_init_payload()
+        forge(payload)
+        signed = with_control_key(payload, trainer.client.control)  # as its trainer sends it
+        with pytest.raises(ValueError, match=f"init_info: field '{field}' "):
+            s.sessions[1].init_weight_transfer_engine(signed)
+        s.assert_serving(2)
+        source.tensors = checkpoint(3)
+        trainer.send_weights()  # consumer 1 refuses the start (no producers): re-admitted
+        s.assert_serving(3)
     finally:
         trainer.shutdown()

@@ -278,3 +278,36 @@ def test_trainer_failure_mid_sync_over_nixl(cluster: Any) -> None:
         trainer.shutdown()
         for a in actors:
             ray.kill(a)
+
+
+def test_verified_pulls_over_nixl_refuse_a_corrupted_byte(cluster: Any) -> None:
+    """verify=True: a clean sync is bit-exact; a byte flipped in consumer 1's receive
+    slot after NIXL landed it fails the sync naming the parameter, the pull and the
+    producer, every consumer keeps its weights, and the next sync works."""
+    actors = consumers(cluster, 2)
+    source = HeldSource(checkpoint(1))
+    prefix = f"wt-nixl-{next(_prefixes)}"
+    trainer = ShardedRDTTrainerEngine.trainer_init(
+        info(0, 2, prefix, verify=True), client=ActorsClient(actors), source=source
+    )
+    name = "layers.0.down.weight"
+    try:
+        source.tensors = checkpoint(2)
+        trainer.send_weights()
+        assert_serving(cluster, actors, 2, 2)
+        pull = cluster.get(actors[1].corrupt.remote(name), timeout=60)
+        source.tensors = checkpoint(3)
+        with pytest.raises(
+            WeightSyncRPCError,
+            match=rf"verify: consumer 1: pull {pull} \(group 1\) from {prefix}-rk0: the slice of "
+            rf"'{name}' \(narrow\(1, 24, 24\)\) arrived different",
+        ):
+            trainer.send_weights()
+        assert_serving(cluster, actors, 2, 2, synced=False)
+        cluster.get(actors[1].corrupt.remote(None), timeout=60)
+        trainer.send_weights()
+        assert_serving(cluster, actors, 2, 3)
+    finally:
+        trainer.shutdown()
+        for a in actors:
+            ray.kill(a)

@@ -10,12 +10,15 @@ import torch
 
 from tests.backends.sharded_rdt.models import ShardedModel, checkpoint
 from weight_transfer import ParamMeta, layerwise_groups
-from weight_transfer.backend import DirectLoader, payload_of
+from weight_transfer.backend import DirectLoader, digest, payload_of
 from wt_sharded_rdt.producer import Producer, ProducerError
 from wt_sharded_rdt.protocol import (
     Router,
+    ShardedRDTUpdateInfo,
     ShardedRDTWorkerInitInfo,
+    blob_layout,
     build_plan,
+    digests_view,
     metadata_digest,
     owner_table,
 )
@@ -213,3 +216,52 @@ def test_producer_error_wakes_every_waiter() -> None:
     assert "trainer rank 0 failed" in str(errors[0])
     with pytest.raises(ProducerError, match="trainer rank 0 failed"):
         p.wait_freed(0.1)
+
+
+def test_a_verified_blob_carries_the_digest_of_each_slice() -> None:
+    """The digest rows after the slices are core's `digest` of each slice's bytes."""
+    p = producer(verify=True)
+    p.begin_sync(1, [0])
+    a = torch.arange(10, dtype=torch.float32) * 1.5
+    p.publish(0, {"a": a})
+    keys = [("a", (("narrow", (0, 1, 3), ()),)), ("a", ())]
+    blob = p.serve(1, 0, 0, keys, [("float32", 3), ("float32", 10)])
+    layout = blob_layout([12, 40], verify=True)
+    assert blob.numel() == layout.nbytes and layout.digests_at is not None
+    rows = digests_view(blob, layout)
+    assert torch.equal(rows[0], digest(a[1:4]))
+    assert torch.equal(rows[1], digest(a))
+    assert torch.equal(blob[layout.offsets[1] : layout.offsets[1] + 40].view(torch.float32), a)
+
+
+def test_producer_errors_fail_the_sync_they_name() -> None:
+    """An error for a sync not yet begun fails that sync when it begins; a late one
+    (an older sync) fails nothing; a consumer that skips a sync it is live in fails it."""
+    p = producer()
+    p.begin_sync(1, [0, 1])
+    p.set_error("consumer 1 refused sync 2", 2)
+    p.set_error("a late error of sync 0", 0)
+    p.skip(1, 5)  # not live in sync 1: nothing wrong
+    assert p.wait_freed(0.05) == []
+    p.publish(0, {"a": torch.zeros(4)})
+    p.begin_sync(2, [0, 1])
+    with pytest.raises(ProducerError, match="consumer 1 refused sync 2"):
+        p.publish(0, {"a": torch.zeros(4)})
+    p.begin_sync(3, [0, 1])
+    p.skip(3, 1)
+    with pytest.raises(ProducerError, match=r"consumer 1 skipped.*'live_consumers'"):
+        p.publish(0, {"a": torch.zeros(4)})
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"sync_id": 0}, "sync_id"),
+        ({"sync_id": 1, "live_consumers": [1, 0]}, "live_consumers"),
+        ({"sync_id": 1, "live_consumers": [0, 0]}, "live_consumers"),
+        ({"sync_id": 1, "live_consumers": [-1]}, "live_consumers"),
+    ],
+)
+def test_malformed_update_info_names_the_field(fields: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=f"update_info: field '{field}'"):
+        ShardedRDTUpdateInfo(**fields)

@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from weight_transfer import VLLMWeightSyncClient
+from weight_transfer.control import SEAL_FIELD, ControlKey
 from wt_sparse_nccl import SparseWeightPatch
 
 MODEL_FACTORY = "tests.backends.sparse_nccl.models:make_model"
 
 
 class CountingClient:
-    """Forwards to `inner` and records every call as `(method, argument)`."""
+    """Forwards to `inner` and records every call as `(method, argument)`.
+
+    `rewrite`, when set, replaces every data update on its way (a payload with
+    `names`) by `rewrite(payload)`, signed again with `key` (the trainer's,
+    `engine.client.control`): an update info that no longer describes what the
+    trainer sends, from a control plane that holds the key. A round's seal,
+    which carries no weights, is forwarded unrecorded.
+    """
 
     def __init__(self, inner: VLLMWeightSyncClient) -> None:
         self.inner = inner
         self.calls: list[tuple[str, Any]] = []
+        self.rewrite: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+        self.key: ControlKey | None = None
         self._lock = threading.Lock()
 
     def _record(self, method: str, arg: Any) -> None:
@@ -41,7 +51,12 @@ class CountingClient:
         self.inner.start_weight_update()
 
     def update_weights(self, update_info: Any) -> None:
-        self._record("update_weights", update_info)
+        if self.rewrite is not None and isinstance(update_info, dict) and "names" in update_info:
+            update_info = self.rewrite(update_info)
+            if self.key is not None:
+                update_info = self.key.sign(update_info)
+        if not (isinstance(update_info, dict) and SEAL_FIELD in update_info):
+            self._record("update_weights", update_info)
         self.inner.update_weights(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:

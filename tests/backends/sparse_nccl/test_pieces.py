@@ -11,6 +11,7 @@ import torch
 from tests.backends.sparse_nccl.helpers import applied, assert_same_bits, random_patch
 from tests.backends.sparse_nccl.models import MethodModel, initial_state, make_model
 from weight_transfer import WeightTransferConfig, WorkerSession
+from weight_transfer.backend import Revertible
 from wt_sparse_nccl import (
     InPlacePatcher,
     MethodPatcher,
@@ -101,6 +102,49 @@ def test_in_place_patcher_writes_in_place_and_abort_restores_every_bit() -> None
     assert_same_bits({n: p.detach() for n, p in model.named_parameters()}, applied(state, [first]))
 
 
+def test_a_held_commit_reverts_every_bit_and_a_released_one_cannot() -> None:
+    """The built-in patchers are core's `Revertible`: the undo log outlives a held commit."""
+    model = make_model()
+    state = initial_state()
+    g = torch.Generator().manual_seed(4)
+    name = "mixed.bf16_weight"
+    first = random_patch(name, state, 30, g, index_dtype=torch.int32, specials=True)
+    second = random_patch(name, state, 30, g)  # overlaps `first`: undone newest first
+
+    patcher = patcher_for(model, None)
+    assert isinstance(patcher, Revertible)
+    patcher.begin()
+    patcher.apply(first)
+    patcher.apply(second)
+    patcher.commit(keep_undo=True)
+    patcher.abort()  # a no-op after the commit
+    assert_same_bits(dict(model.named_parameters()), applied(state, [first, second]))
+    patcher.revert()
+    assert_same_bits(dict(model.named_parameters()), state)
+    with pytest.raises(RuntimeError, match="no committed round was kept"):
+        patcher.revert()
+
+    patcher.begin()
+    patcher.apply(first)
+    patcher.commit(keep_undo=True)
+    patcher.release()
+    with pytest.raises(RuntimeError, match="no committed round was kept"):
+        patcher.revert()
+    assert_same_bits(dict(model.named_parameters()), applied(state, [first]))
+
+    method_model = MethodModel()
+    before = method_model.store.clone()
+    method = patcher_for(method_model, None)
+    assert isinstance(method, Revertible)
+    method.begin()
+    method.apply(SparseWeightPatch("w", torch.tensor([3, 4]), torch.tensor([9.0, 8.0]), (12,)))
+    method.apply(SparseWeightPatch("w", torch.tensor([4]), torch.tensor([7.0]), (12,)))
+    method.commit(keep_undo=True)
+    assert method_model.store[[3, 4]].tolist() == [9.0, 7.0]
+    method.revert()
+    assert torch.equal(method_model.store, before)
+
+
 def test_in_place_patcher_refuses_what_it_cannot_patch() -> None:
     model = make_model()
     patcher = InPlacePatcher(model)
@@ -171,8 +215,7 @@ def test_engine_flags_and_ordering_errors() -> None:
     session = WorkerSession(engine, draft_model=make_model())
     with pytest.raises(RuntimeError, match="does not support draft"):
         session.start_draft_weight_update()
-    session.start_weight_update()
     with pytest.raises(RuntimeError, match=r"no transfer group \(it has not been connected yet\)"):
-        session.update_weights(good_update())
+        session.start_weight_update()  # the refusal that makes a trainer re-admit (NO_GROUP)
     assert not session.active
     assert_same_bits({n: p.detach() for n, p in engine.model.named_parameters()}, initial_state())

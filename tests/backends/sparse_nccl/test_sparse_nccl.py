@@ -30,6 +30,7 @@ from wt_sparse_nccl import (
     SparseNCCLTrainerInitInfo,
     SparseWeightPatch,
 )
+from wt_sparse_nccl.wire import HEADER_WORDS
 
 W0, B0, W1, B1 = "layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"
 BF16, FP16 = "mixed.bf16_weight", "mixed.fp16_weight"
@@ -166,10 +167,13 @@ def test_three_rounds_land_bit_exactly_and_only_nnz_bytes_travel(
         assert update["dtype_names"][:4] == ["float32", "float32", "bfloat16", "float16"]
         assert update["index_dtype_names"][:4] == ["int32", "int64", "int32", "int64"]
         assert update["shapes"][0] == [12, 16]
-        # One broadcast per index dtype and per values dtype, O(nnz) bytes in all.
-        assert len(sent) == 5
-        assert sum(n for _, n in sent) == wire_bytes(patches) < full_bytes / 3
-        assert {d for d, _ in sent} == {torch.uint8}
+        # The fixed-size header, then one broadcast per index dtype and per values
+        # dtype, O(nnz) bytes in all.
+        assert sent[0] == (torch.int64, HEADER_WORDS)
+        data = sent[1:]
+        assert len(data) == 5
+        assert sum(n for _, n in data) == wire_bytes(patches) < full_bytes / 3
+        assert {d for d, _ in data} == {torch.uint8}
         assert rig.client.calls[-1] == ("finish_weight_update", f"v{round_}")
 
     kinds = [kind for kind, _ in recorder.events]
@@ -377,14 +381,73 @@ def test_batches_the_workers_refuse_apply_nothing_and_the_next_sync_works(
     rig.assert_state(applied(state, patches))
 
 
+def _rewritten(payload: dict[str, Any], field: str) -> dict[str, Any]:
+    """`payload` with one entry of `field` changed (sizes, dtypes or names)."""
+    out = {k: list(v) if isinstance(v, list) else v for k, v in payload.items()}
+    if field == "num_updates":
+        out["num_updates"][1] += 1  # the worker would receive one entry too many
+    elif field == "num_updates-fewer":
+        field = "num_updates"
+        out["num_updates"][0] -= 1
+    elif field == "dtype_names":
+        out["dtype_names"][0] = "bfloat16"  # float32 values read as half their size
+    elif field == "index_dtype_names":
+        out["index_dtype_names"][2] = "int64"
+    elif field == "names":
+        out["names"][1] = B0  # same sizes, another parameter
+    elif field == "shapes":
+        out["shapes"][0] = list(reversed(out["shapes"][0]))  # same numel
+    return out
+
+
+REWRITES = ["num_updates", "num_updates-fewer", "dtype_names", "index_dtype_names", "names",
+            "shapes"]  # fmt: skip
+
+
+@pytest.mark.parametrize("field", REWRITES)
+def test_an_update_info_that_differs_from_the_batch_is_refused_naming_the_field(
+    rig: Rig, gen: torch.Generator, field: str
+) -> None:
+    """Sized from the trainer's header, the receive cannot abort the worker process (gloo
+    kills a process whose receive size differs from the send): it takes the trainer's
+    bytes whole, refuses the batch naming the field, and the group stays in step."""
+    state = rig.state()
+    group = rig.engine.channel.require()
+    patches = [
+        random_patch(W0, state, 20, gen, index_dtype=torch.int32),
+        random_patch(B1, state, 3, gen),
+        random_patch(BF16, state, 9, gen, index_dtype=torch.int32),
+    ]
+    rig.client.key = rig.engine.client.control
+    rig.client.rewrite = lambda payload: _rewritten(payload, field)
+    try:
+        with pytest.raises(WeightSyncRPCError) as refused:
+            rig.engine.send_weights(patches, weight_version="never")
+    finally:
+        rig.client.rewrite = None
+    name = field.removesuffix("-fewer")
+    assert f"field {name!r} differs from the batch the trainer sent" in str(refused.value)
+    assert all(p.is_alive() for p in rig.pool.processes)
+    rig.assert_state(state)
+    assert rig.engine.channel.group is group  # the group stayed in step
+
+    rig.client.calls.clear()
+    rig.engine.send_weights(patches, weight_version="after")
+    assert "init_weight_transfer_engine" not in rig.client.methods()
+    rig.assert_state(applied(state, patches))
+
+
 class _NeverDone:
     """A collective's work that never completes (a broadcast lost on the way)."""
 
-    def get_future(self) -> torch.futures.Future[None]:
-        return torch.futures.Future()
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise AssertionError("a work that never completes was waited on")
 
 
-def test_a_refused_update_keeps_the_group_and_a_torn_down_one_refuses_until_trainer_init(
+def test_a_refused_update_keeps_the_group_and_a_torn_down_one_is_re_formed_by_the_next_round(
     gen: torch.Generator,
 ) -> None:
     with WorkerPool("sparse_nccl", 1, model_factory=MODEL_FACTORY) as pool:
@@ -402,7 +465,7 @@ def test_a_refused_update_keeps_the_group_and_a_torn_down_one_refuses_until_trai
             "num_updates": [1],
         }
         with pytest.raises(WeightSyncRPCError, match="index_dtype_names\\[0\\]"):
-            client.update_weights(bad_update)
+            client.update_weights(engine.client.control.sign(bad_update))
         patch = random_patch(W0, state, 4, gen)
         engine.send_weights([patch])
         state = applied(state, [patch])
@@ -419,17 +482,25 @@ def test_a_refused_update_keeps_the_group_and_a_torn_down_one_refuses_until_trai
         assert time.monotonic() - t0 < TIMEOUT_S / 2
         assert engine.channel.group is None
         assert_same_bits(pool.each("state_dict")[0], state)
-        client.calls.clear()
-        with pytest.raises(RuntimeError, match=r"no transfer group .*torn down"):
-            engine.send_weights([patch])
-        assert client.calls == []
 
-        engine = connect(pool, client)
+        # The next round re-forms the group first (a new handshake, same trainer).
+        client.calls.clear()
         patch = random_patch(W0, state, 4, gen)
         engine.send_weights([patch])
-        assert_same_bits(pool.each("state_dict")[0], applied(state, [patch]))
+        assert client.methods()[0] == "init_weight_transfer_engine"
+        assert client.methods()[1:] == [
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+        ]
+        assert engine.channel.group is not None and engine.channel.group is not group
+        state = applied(state, [patch])
+        assert_same_bits(pool.each("state_dict")[0], state)
+
         engine.shutdown()
         client.calls.clear()
         with pytest.raises(RuntimeError, match=r"no transfer group .*shut down"):
             engine.send_weights([patch])
+        with pytest.raises(RuntimeError, match=r"no transfer group .*shut down"):
+            engine.begin()
         assert client.calls == []

@@ -28,6 +28,10 @@ starts vLLM on it in-process, and times, interleaved over `--repeats` rounds:
 Each round loads alternating weights, so every load really changes the model;
 after the last round the served tokens are checked against the trainer's
 weights. Figures are medians; ratios are against the floor of the same run.
+Before all of it (before Ray starts), the digest of verified bytes alone
+(`wt_tools.digest_bench`): seconds per GiB for a dense bucket and one of
+4,000 small tensors, at 1 and 2 threads, against a copy of the same bytes;
+the transport scenarios (`wt_tools.scenarios`) price `verify` end to end.
 Results go to stdout and `--out` (JSON).
 """
 
@@ -307,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from wt_tools import cost_model, report
+    from wt_tools import cost_model, digest_bench, report
     from wt_tools.scenarios import run_scenario, scenarios_for
 
     os.makedirs(args.out, exist_ok=True)
@@ -318,10 +322,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     repeats = args.repeats or (1 if args.quick else 3)
     layers = args.layers or (2 if args.quick else 16)
+    results: dict[str, Any] = {"quick": args.quick, "repeats": repeats, "scenarios": []}
+    # first, while no Ray process shares the cores (it makes 2-thread timings erratic)
+    print("digest cost (verified bytes), against a copy of the same bytes:")
+    results["digest"] = digest_bench.measure(repeats=max(10, 5 * repeats))
+    print("\n".join(report.digest_table(results["digest"])))
     work = tempfile.mkdtemp(prefix="wt-bench-")
     atexit.register(shutil.rmtree, work, True)  # the checkpoints are scratch
     start_local_ray(work)
-    results: dict[str, Any] = {"quick": args.quick, "repeats": repeats, "scenarios": []}
     chosen = scenarios_for(args.quick, repeats)
     for i, sc in enumerate(chosen, start=1):
         print(

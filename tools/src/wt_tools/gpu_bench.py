@@ -11,7 +11,9 @@ MoE-like one of 30,000 tensors), medians of `--repeats` after a warm-up:
 - wt_ipc: the trainer (this process) into a worker process on the same GPU
   through CUDA IPC (plain target, copies in place);
 - wt_nccl: only with two GPUs (an NCCL group cannot hold two ranks of one
-  device): the worker process on the second.
+  device): the worker process on the second;
+- the digest of verified bytes (`wt_tools.digest_bench`) against a
+  device-to-device copy of the same bucket.
 
 Prints a table and writes JSON. Exits 2 without CUDA.
 """
@@ -127,9 +129,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
             )
         )
+    from wt_tools import digest_bench
+    from wt_tools.report import digest_table
+
+    digest = digest_bench.measure(max(10, 3 * args.repeats), device="cuda:0")
+    print("\n".join(digest_table(digest)))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, f, indent=2)
+        json.dump(
+            {"device": torch.cuda.get_device_name(0), "rows": rows, "digest": digest}, f, indent=2
+        )
     print(f"written: {args.out}")
     return 0
 

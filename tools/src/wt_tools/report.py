@@ -2,7 +2,8 @@
 
 `targets(results)` checks each goal against the figures of the same run and
 says by how much it is met or missed; `markdown(results)` is the summary the
-README shows; `plots(results, folder)` writes `time_vs_size.png`,
+README shows (`digest_table(results["digest"])` its rows on the digest's
+cost); `plots(results, folder)` writes `time_vs_size.png`,
 `time_vs_params.png` and one bar chart per scenario against its references
 (matplotlib; skipped, and said, when it is not installed).
 """
@@ -13,7 +14,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["targets", "markdown", "plots", "load", "cluster_table"]
+__all__ = ["targets", "markdown", "plots", "load", "cluster_table", "digest_table"]
 
 
 def load(path: str) -> dict[str, Any] | None:
@@ -166,6 +167,20 @@ def cluster_table(predictions: list[dict[str, Any]], calibration: dict[str, floa
     return "\n".join(lines)
 
 
+def digest_table(digest: dict[str, Any]) -> list[str]:
+    """The digest's cost (`wt_tools.digest_bench.measure`) as Markdown table lines."""
+    out = [
+        "| bucket | device, threads | memcpy s/GiB | digest s/GiB | digest x memcpy |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in digest["rows"]:
+        out.append(
+            f"| {r['bucket']} | {r['device']}, {r['threads']} | {r['memcpy_s_per_gib']:.3f} | "
+            f"{r['digest_s_per_gib']:.3f} | {r['x_memcpy']:.1f} |"
+        )
+    return out
+
+
 def markdown(results: dict[str, Any]) -> str:
     out = [f"# wt bench{' (quick)' if results.get('quick') else ''}", ""]
     out.append("## Transport alone: plain targets in worker processes")
@@ -198,6 +213,10 @@ def markdown(results: dict[str, Any]) -> str:
             f"| | trainer overhead per parameter | {ref['trainer_overhead_per_param_us']:.1f} us "
             f"({s['params']} params) | | | | | |"
         )
+    digest = results.get("digest")
+    if digest:
+        out += ["", "## Verified bytes: the digest alone (`wt_tools.digest_bench`)", ""]
+        out += digest_table(digest)
     live = results.get("live")
     if live:
         out += ["", f"## Live vLLM ({live['bytes'] / 2**30:.2f} GiB, in-process)", ""]

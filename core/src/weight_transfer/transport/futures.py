@@ -7,6 +7,12 @@ the interpreter's exit) hostage.
 
 `wait_for(futures, timeout_s)` waits until all are done and raises the first
 failure at once, labelled with its name.
+
+Collectives are watched by polling (`work_future`, `wait_work`), never through
+a callback on the library's own future or a blocking wait on a helper thread:
+either makes a library thread (or a blocked one) take the interpreter lock
+when the collective ends, and a collective that ends while the interpreter
+exits (one kept alive after an abort, say) then aborts the process.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ __all__ = [
     "wait_for",
     "await_transfer",
     "work_future",
+    "wait_work",
     "TransferTimeout",
     "CollectiveError",
     "PEER_GRACE_S",
@@ -62,27 +69,104 @@ class CollectiveError(RuntimeError):
     """A collective failed: a peer died, the network broke, or it timed out."""
 
 
+def _collective_error(what: str, error: BaseException) -> CollectiveError:
+    failed = CollectiveError(
+        f"{what} failed (a peer process died, the network broke or it timed out): {error}"
+    )
+    failed.__cause__ = error
+    return failed
+
+
+_POLL_S = 0.001  # how often pending collectives are looked at
+
+
+class _WorkPoller:
+    """One daemon thread that completes the futures of `work_future` by polling."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[dist.Work, Future[None], str]] = []
+        self._ready = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def add(self, work: dist.Work, future: Future[None], what: str) -> None:
+        with self._ready:
+            self._pending.append((work, future, what))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="wt-work-poll", daemon=True)
+                self._thread.start()
+            self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._pending:
+                    self._ready.wait()
+                pending = list(self._pending)
+            done = [item for item in pending if _ended(item[0])]
+            for work, future, what in done:
+                try:
+                    work.wait()  # it has ended: returns at once, or raises its error
+                    future.set_result(None)
+                except BaseException as e:
+                    future.set_exception(_collective_error(what, e))
+            with self._ready:
+                self._pending = [item for item in self._pending if item not in done]
+            if len(done) < len(pending):
+                time.sleep(_POLL_S)
+
+
+def _ended(work: dist.Work) -> bool:
+    """Whether `work` has ended; a work that cannot say counts as ended (its `wait` tells)."""
+    try:
+        return bool(work.is_completed())
+    except Exception:
+        return True
+
+
+_POLLER = _WorkPoller()
+
+
 def work_future(work: dist.Work, what: str = "a collective") -> Future[None]:
-    """A `concurrent.futures.Future` that completes with a collective's `work`.
+    """A `concurrent.futures.Future` that completes with a collective's `work`
+    (within about a millisecond; see the module doc).
 
     A failure becomes `CollectiveError` naming `what`, chained to the library's error.
     """
     future: Future[None] = Future()
     future.set_running_or_notify_cancel()
-
-    def done(fut: Any) -> None:
-        try:
-            fut.wait()
-            future.set_result(None)
-        except BaseException as e:
-            error = CollectiveError(
-                f"{what} failed (a peer process died, the network broke or it timed out): {e}"
-            )
-            error.__cause__ = e
-            future.set_exception(error)
-
-    work.get_future().add_done_callback(done)
+    _POLLER.add(work, future, what)
     return future
+
+
+def wait_work(
+    work: dist.Work,
+    what: str,
+    deadline: float,
+    *,
+    check: Callable[[], None] | None = None,
+    check_every_s: float = 0.5,
+) -> None:
+    """Wait on this thread until `work` ends, polling (see the module doc).
+
+    `check()` runs every `check_every_s` while waiting (it raises to stop the
+    wait). Raises `TransferTimeout` naming `what` at `deadline` (monotonic
+    seconds), `CollectiveError` when the collective failed.
+    """
+    pause = 5e-5
+    next_check = time.monotonic() + check_every_s
+    while not work.is_completed():
+        now = time.monotonic()
+        if now >= deadline:
+            raise TransferTimeout(f"{what} did not complete in time")
+        if check is not None and now >= next_check:
+            check()
+            next_check = now + check_every_s
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_S)
+    try:
+        work.wait()
+    except Exception as e:
+        raise _collective_error(what, e) from e
 
 
 def wait_for(futures: Mapping[str, Future[Any]], timeout_s: float) -> dict[str, Any]:

@@ -12,6 +12,13 @@ peer that accepts and never answers), the rendezvous and each collective; a
 worker waiting in a collective (`wait`) also notices a dead trainer within
 about a second. A collective that fails or times out leaves the group
 unusable; `abort()` it and build a new one.
+
+Aborting never blocks the caller. gloo cannot cancel a collective in flight,
+and destroying its process group waits for every one of them to end (at most
+`timeout_s`, holding the interpreter lock: the whole process would stall). So
+`abort()` hands the process group and its collectives in flight to a daemon
+thread (`_bury`), which drops them once those have ended; a process that
+exits first never destroys them, so its exit does not wait either.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import ipaddress
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from weight_transfer.transport.auth import check_secret
-from weight_transfer.transport.futures import CollectiveError, TransferTimeout
+from weight_transfer.transport.futures import CollectiveError, TransferTimeout, wait_work
 from weight_transfer.transport.store import (
     HANDSHAKE_TIMEOUT_S,
     RemoteStore,
@@ -37,7 +44,7 @@ from weight_transfer.transport.store import (
     connect_store,
 )
 
-__all__ = ["StatelessGroup", "free_port", "LIVENESS_PERIOD_S"]
+__all__ = ["StatelessGroup", "Hosting", "free_port", "LIVENESS_PERIOD_S"]
 
 # How often a worker waiting in a collective checks that the trainer is alive.
 LIVENESS_PERIOD_S = 0.5
@@ -60,10 +67,18 @@ def _is_loopback(host: str) -> bool:
 
 
 def _open_store(
-    host: str, port: int, rank: int, world_size: int, timeout_s: float, secret: str, trainer_id: str
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    secret: str,
+    trainer_id: str,
+    hosting: Hosting | None,
 ) -> tuple[dist.Store, StoreServer | None]:
-    """Rank 0: the listening `StoreServer` and its own store; a worker: its admitted
-    connection. Raises `RuntimeError` (or `StoreRefused`) naming the address."""
+    """Rank 0: the listening `StoreServer` (handed to `hosting`) and its own store; a
+    worker: its admitted connection. Raises `RuntimeError` (or `StoreRefused`)
+    naming the address."""
     if rank != 0:
         store = connect_store(
             host, port, secret=secret, trainer_id=trainer_id, rank=rank, timeout_s=timeout_s
@@ -81,7 +96,36 @@ def _open_store(
     except OSError as e:
         raise RuntimeError(f"rank 0 could not listen on {host}:{port}: {e}") from e
     server.store.set_timeout(timedelta(seconds=timeout_s))
+    if hosting is not None:
+        hosting.listening(server)
     return server.store, server
+
+
+class Hosting:
+    """A handle on rank 0's rendezvous while it runs on another thread (`create(hosting=)`).
+
+    `cancel()` closes rank 0's store, so the group's construction, which waits
+    in that store for the workers, fails at once instead of at its timeout: a
+    failed init must not leave a thread blocked inside the library (a process
+    that exits while one is aborts).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._server: StoreServer | None = None
+        self._cancelled = False
+
+    def listening(self, server: StoreServer) -> None:
+        with self._lock:
+            self._server = server
+            if self._cancelled:
+                server.close()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._server is not None:
+                self._server.close()
 
 
 def _process_group(
@@ -133,6 +177,7 @@ class StatelessGroup:
     pg: Any
     timeout_s: float
     server: StoreServer | None = None
+    _inflight: list[dist.Work] = field(default_factory=list, repr=False)
 
     @classmethod
     def create(
@@ -147,8 +192,12 @@ class StatelessGroup:
         device: torch.device | str = "cpu",
         timeout_s: float = 300.0,
         name: str = "wt",
+        hosting: Hosting | None = None,
     ) -> StatelessGroup:
         """Join (rank 0: host) group `name` at `host:port`; blocks at most `timeout_s`.
+
+        `hosting` (rank 0) receives the listening server, so that another thread
+        can cancel the rendezvous (`Hosting.cancel`).
 
         Rank 0 listens on exactly `host:port` and admits each worker rank once,
         after it proved `secret` for `trainer_id` (and proved it back); a worker
@@ -164,7 +213,9 @@ class StatelessGroup:
         check_secret(secret, what="StatelessGroup.create")
         device = torch.device(device)
         timeout = timedelta(seconds=timeout_s)
-        store, server = _open_store(host, port, rank, world_size, timeout_s, secret, trainer_id)
+        store, server = _open_store(
+            host, port, rank, world_size, timeout_s, secret, trainer_id, hosting
+        )
         try:
             pg = _process_group(store, name, rank, world_size, device, timeout, host, port)
         except BaseException:
@@ -174,11 +225,16 @@ class StatelessGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
         """Start broadcasting `tensor` from `src`; returns the pending work."""
+        if self.pg is None:
+            raise CollectiveError("the group was aborted; build a new one")
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
         opts.timeout = timedelta(seconds=self.timeout_s)
-        return self.pg.broadcast([tensor], opts)
+        work = self.pg.broadcast([tensor], opts)
+        self._inflight = [w for w in self._inflight if not w.is_completed()]
+        self._inflight.append(work)
+        return work
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for a collective's `work`, at most `timeout_s`.
@@ -190,22 +246,24 @@ class StatelessGroup:
         naming `what` when the collective fails or the trainer is gone, and
         `TransferTimeout` when the time runs out.
         """
-        done = threading.Event()
-        work.get_future().add_done_callback(lambda _: done.set())
-        deadline = time.monotonic() + self.timeout_s
-        while not done.wait(min(LIVENESS_PERIOD_S, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                raise TransferTimeout(f"{what} did not complete within {self.timeout_s:g}s")
-            if self.rank != 0 and not self.trainer_alive():
+
+        def check_trainer() -> None:
+            if not self.trainer_alive():
                 raise CollectiveError(
                     f"{what} failed: the trainer left the group (it died, or closed its end)"
                 )
+
+        deadline = time.monotonic() + self.timeout_s
         try:
-            work.wait()
-        except Exception as e:
-            raise CollectiveError(
-                f"{what} failed (a peer process died, the network broke or it timed out): {e}"
-            ) from e
+            wait_work(
+                work,
+                what,
+                deadline,
+                check=check_trainer if self.rank != 0 else None,
+                check_every_s=LIVENESS_PERIOD_S,
+            )
+        except TransferTimeout:
+            raise TransferTimeout(f"{what} did not complete within {self.timeout_s:g}s") from None
 
     def trainer_alive(self) -> bool:
         """Whether rank 0 still has its end open: its store answers and says so."""
@@ -220,19 +278,45 @@ class StatelessGroup:
                 self.store.delete_key(_OPEN_KEY)
 
     def abort(self) -> None:
-        """Drop the group without waiting for collectives in flight; rank 0 stops
-        listening at once (the port can be bound again)."""
+        """Drop the group without waiting for collectives in flight (see the module
+        doc); rank 0 stops listening at once (the port can be bound again)."""
         self._leave()
-        with contextlib.suppress(Exception):  # the group is being discarded either way
-            self.pg.abort()
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            with contextlib.suppress(Exception):  # the group is being discarded either way
+                pg.abort()
+            inflight, self._inflight = self._inflight, []
+            _bury(pg, inflight, self.timeout_s)
         _close_store(self.store, self.server)
 
     def close(self) -> None:
         """Release the group after a clean run; rank 0 stops listening at once."""
         self._leave()
-        with contextlib.suppress(Exception):
-            self.pg.shutdown()
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            with contextlib.suppress(Exception):
+                pg.shutdown()
+            inflight, self._inflight = self._inflight, []
+            _bury(pg, inflight, self.timeout_s)  # a clean run has none in flight: at once
         _close_store(self.store, self.server)
+
+
+_BURY_POLL_S = 0.2
+
+
+def _bury(pg: Any, inflight: list[dist.Work], timeout_s: float) -> None:
+    """Drop `pg` on a daemon thread once `inflight` has ended (at most `timeout_s`
+    and a margin: gloo fails each collective by its own timeout)."""
+
+    def wait_then_drop(held: list[Any]) -> None:
+        deadline = time.monotonic() + timeout_s + 5.0
+        while time.monotonic() < deadline and not all(w.is_completed() for w in held[1:]):
+            time.sleep(_BURY_POLL_S)
+        held.clear()  # the last references: the group is destroyed here, at once
+
+    threading.Thread(
+        target=wait_then_drop, args=([pg, *inflight],), name="wt-group-reaper", daemon=True
+    ).start()
 
 
 def _close_store(store: dist.Store, server: StoreServer | None) -> None:

@@ -114,13 +114,15 @@ class LocalLink:
         return Frame(*_FRAME.unpack(data))
 
     def peer_alive(self) -> bool:
-        """Whether the peer still has its end open (pending frames count as alive)."""
+        """Whether the peer still has its end open; one that closed it (or died) is gone
+        even while frames it sent are still unread here."""
         if self.closed:
             return False
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-            return not readable or bool(self.sock.recv(1, socket.MSG_PEEK))
-        except OSError:
+            poller = select.poll()
+            poller.register(self.sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+            return not poller.poll(0)
+        except (OSError, ValueError):
             return False
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ from weight_transfer.limits import check_int_range, check_timeout
 from weight_transfer.position import WorkerPosition
 from weight_transfer.transport.auth import check_secret, new_secret
 from weight_transfer.transport.futures import in_background, wait_for
-from weight_transfer.transport.group import StatelessGroup
+from weight_transfer.transport.group import Hosting, StatelessGroup
 from weight_transfer.transport.wire import WireProtocolInfo
 
 __all__ = ["GroupTrainerFields", "GroupInitInfo", "trainer_rendezvous", "join_group"]
@@ -146,6 +146,7 @@ def trainer_rendezvous(
     else:
         payloads = replica_payloads(payload, info.world_size, len(fleet.replicas))
         rpc = in_background(lambda: fleet.init_replicas(payloads), name="wt-init-rpc")
+    hosting = Hosting()
     join = in_background(
         lambda: StatelessGroup.create(
             host=info.master_address,
@@ -156,6 +157,7 @@ def trainer_rendezvous(
             trainer_id=str(payload.get("trainer_id", "")),
             device=info.resolved_device(),
             timeout_s=info.timeout_s,
+            hosting=hosting,
         ),
         name="wt-rendezvous",
     )
@@ -165,6 +167,7 @@ def trainer_rendezvous(
             info.timeout_s + _RPC_GRACE_S,
         )
     except BaseException:
+        hosting.cancel()  # the join fails at once rather than at its timeout
         join.add_done_callback(_abort_joined)
         raise
     group: StatelessGroup = results["the rendezvous"]

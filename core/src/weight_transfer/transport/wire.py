@@ -26,7 +26,10 @@ __all__ = [
     "check_wire_protocol",
 ]
 
-WIRE_PROTOCOL_VERSION = 2  # 2: the authenticated store (`secret`), `verify`
+# 2: the authenticated store (`secret`), `verify`. 3: every store frame authenticated, the
+# two-lane digest, the nccl header (int64[8]) and sparse header (int64[34]), ipc seals and
+# LAYOUT frames, the trainer's control key in every init payload.
+WIRE_PROTOCOL_VERSION = 3
 
 
 @dataclass

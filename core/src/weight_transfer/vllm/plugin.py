@@ -11,6 +11,10 @@ vLLM creates the engine, so a backend's module is imported only then.
 Names vLLM already knows (its own backends, or an earlier call) are left
 alone, so calling `register()` again is harmless and picks up backends
 registered since.
+
+It also starts the process's generation service (`serving.serve_generation`),
+through which a worker in a process of its own reaches its engine core to
+resume generation after a round that lost its trainer.
 """
 
 from __future__ import annotations
@@ -48,4 +52,7 @@ def register() -> list[str]:
         added.append(vllm_name)
     if added:
         logger.debug("wt backends registered in vLLM: %s", ", ".join(added))
+    from weight_transfer.vllm.serving import serve_generation
+
+    serve_generation()
     return added

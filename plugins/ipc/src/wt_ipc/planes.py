@@ -1,20 +1,25 @@
 """The two data planes of `ipc`: shared-memory segments (CPU) and CUDA IPC buffers (GPU).
 
 Either way the staging is `packed_num_buffers` `uint8` buffers of
-`packed_buffer_size_bytes`, allocated once per trainer engine and mapped once
-per worker engine; the round writes and reads them through the same control
-protocol (`protocol`).
+`packed_buffer_size_bytes`, allocated once per attachment of the workers and
+mapped once per worker attachment; the round writes and reads them through the
+same control protocol (`protocol`). Each buffer is preceded in its memory by
+the staging's seal (`StagingSeal`, `SEAL_BYTES`): `slots` are the bytes after
+it.
 
-Trainer: `TrainerStaging.create(plane, count, nbytes, device, readers)`;
-`fields()` are the handshake's buffer fields; `attached()` runs once every
-worker has mapped the buffers (shared memory: the names are unlinked, so
-nothing is left in /dev/shm whichever process dies later); `publish()` makes
-the bytes written so far visible to the workers (CUDA: waits for the copies).
+Trainer: `TrainerStaging.create(plane, count, nbytes, device, readers,
+seal)` writes every buffer's seal; `fields()` are the handshake's buffer
+fields; `attached()` runs once every worker has mapped the buffers (shared
+memory: the names are unlinked, so nothing is left in /dev/shm whichever
+process dies later); `publish()` makes the bytes written so far visible to the
+workers (CUDA: waits for the copies).
 
-Worker: `WorkerStaging.open(info, reader, peer_pid, peer_uid)` validates
-every field before it maps anything and raises `ValueError` naming it;
-`reads_done()` waits until the loads issued so far have read their views
-(CUDA: a device synchronize) before a buffer is released.
+Worker: `WorkerStaging.open(info, reader, peer_pid, peer_uid, seal)` checks
+every field before it maps the buffer it names, and every buffer's seal
+against `seal` once it is mapped, before any byte of it is read as a bucket;
+each refusal is a `ValueError` naming the entry. `reads_done()` waits until
+the loads issued so far have read their views (CUDA: a device synchronize)
+before a buffer is released.
 
 A CUDA record (`CudaRecord`) is what `UntypedStorage._share_cuda_` returns,
 with the byte strings in base64 and the exporter's device by UUID, so the
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 
 from weight_transfer.backend import SharedSegment, parse_payload, payload_of
+from wt_ipc.protocol import SEAL_BYTES, StagingSeal
 
 __all__ = ["TrainerStaging", "WorkerStaging", "CudaRecord", "device_uuid", "local_cuda_index"]
 
@@ -113,6 +119,15 @@ def _open_cuda(record: CudaRecord, nbytes: int, *, field: str) -> torch.Tensor:
     return out.set_(storage, 0, (nbytes,), (1,))
 
 
+def _write_seal(buffer: torch.Tensor, seal: StagingSeal, index: int) -> None:
+    sealed = torch.frombuffer(bytearray(seal.encode(index)), dtype=torch.uint8)
+    buffer[:SEAL_BYTES].copy_(sealed)
+
+
+def _read_seal(buffer: torch.Tensor) -> bytes:
+    return bytes(buffer[:SEAL_BYTES].cpu().numpy().tobytes())
+
+
 class TrainerStaging:
     """The trainer's staging buffers; see the module docstring."""
 
@@ -130,21 +145,35 @@ class TrainerStaging:
 
     @classmethod
     def create(
-        cls, plane: str, count: int, nbytes: int, device: torch.device, readers: int
+        cls,
+        plane: str,
+        count: int,
+        nbytes: int,
+        device: torch.device,
+        readers: int,
+        seal: StagingSeal,
     ) -> TrainerStaging:
+        """`count` sealed buffers of `nbytes` on `plane`, CUDA ones exported once per reader."""
         if plane == "shm":
             segments: list[SharedSegment] = []
             try:
-                for _ in range(count):
-                    segments.append(SharedSegment.create(nbytes))
+                for i in range(count):
+                    segment = SharedSegment.create(SEAL_BYTES + nbytes)
+                    segments.append(segment)
+                    _write_seal(segment.tensor, seal, i)
             except BaseException:
                 for segment in segments:
                     segment.close()
                 raise
-            return cls(plane, [s.tensor for s in segments], segments, [])
-        slots = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
-        records = [[_export(slot) for slot in slots] for _ in range(readers)]
-        return cls(plane, slots, [], records)
+            return cls(plane, [s.tensor[SEAL_BYTES:] for s in segments], segments, [])
+        buffers = [
+            torch.empty(SEAL_BYTES + nbytes, dtype=torch.uint8, device=device) for _ in range(count)
+        ]
+        for i, buffer in enumerate(buffers):
+            _write_seal(buffer, seal, i)
+        torch.cuda.current_stream(device).synchronize()  # sealed before any worker opens one
+        records = [[_export(buffer) for buffer in buffers] for _ in range(readers)]
+        return cls(plane, [b[SEAL_BYTES:] for b in buffers], [], records)
 
     def fields(self) -> dict[str, Any]:
         if self.plane == "shm":
@@ -182,9 +211,12 @@ class WorkerStaging:
         return self.slots[0].device
 
     @classmethod
-    def open(cls, info: Any, reader: int, *, peer_pid: int, peer_uid: int) -> WorkerStaging:
-        """Map `info`'s buffers as worker `reader` of the trainer `peer_pid` / `peer_uid`."""
-        nbytes = info.packed_buffer_size_bytes
+    def open(
+        cls, info: Any, reader: int, *, peer_pid: int, peer_uid: int, seal: StagingSeal
+    ) -> WorkerStaging:
+        """Map `info`'s buffers as worker `reader` of the trainer `peer_pid` / `peer_uid`,
+        each checked against `seal` (the staging the trainer on the link made)."""
+        nbytes = SEAL_BYTES + info.packed_buffer_size_bytes
         if info.plane == "shm":
             if peer_pid != info.trainer_pid:
                 raise ValueError(
@@ -194,20 +226,17 @@ class WorkerStaging:
             segments: list[SharedSegment] = []
             try:
                 for i, name in enumerate(info.segment_names):
-                    segments.append(
-                        SharedSegment.attach(
-                            name,
-                            nbytes,
-                            owner_pid=peer_pid,
-                            owner_uid=peer_uid,
-                            field=f"segment_names[{i}]",
-                        )
+                    entry = f"segment_names[{i}]"
+                    segment = SharedSegment.attach(
+                        name, nbytes, owner_pid=peer_pid, owner_uid=peer_uid, field=entry
                     )
+                    segments.append(segment)
+                    seal.check(_read_seal(segment.tensor), i, entry)
             except BaseException:
                 for segment in segments:
                     segment.close()
                 raise
-            return cls("shm", [s.tensor for s in segments], segments)
+            return cls("shm", [s.tensor[SEAL_BYTES:] for s in segments], segments)
         if not torch.cuda.is_available():
             raise ValueError("init_info: field 'plane' is 'cuda', but this worker has no CUDA")
         if reader >= len(info.cuda_buffers):
@@ -217,9 +246,11 @@ class WorkerStaging:
             )
         slots = []
         for i, raw in enumerate(info.cuda_buffers[reader]):
-            where = f"cuda_buffers[{reader}][{i}]"
-            record = parse_payload(CudaRecord, raw, f"init_info: field {where!r}")
-            slots.append(_open_cuda(record, nbytes, field=where))
+            entry = f"cuda_buffers[{reader}][{i}]"
+            record = parse_payload(CudaRecord, raw, f"init_info: field {entry!r}")
+            buffer = _open_cuda(record, nbytes, field=entry)
+            seal.check(_read_seal(buffer), i, entry)
+            slots.append(buffer[SEAL_BYTES:])
         return cls("cuda", slots, [])
 
     def reads_done(self) -> None:

@@ -1,24 +1,35 @@
 """Trainer side of the `ipc` backend: rank 0 writes buckets into staging the workers map.
 
 `trainer_init` (rank 0) allocates the staging buffers (shared memory for a
-CPU trainer, device buffers exported by CUDA IPC for a CUDA one), listens on
-a private control socket and runs the workers' `init_weight_transfer_engine`
-with the handshake; each worker maps the buffers and says hello on the
-socket. Once all `num_workers` have, the segment names are unlinked.
+CPU trainer, device buffers exported by CUDA IPC for a CUDA one), each sealed
+with a nonce drawn for this staging, listens on a private control socket and
+runs the workers' `init_weight_transfer_engine` with the handshake; the
+trainer sends each link it accepts the nonce (`SEAL`), and each worker maps
+the buffers, checks their seals and says hello. Once all `num_workers` have,
+the segment names are unlinked.
+
+Re-admission (`reconnect`, called by core at a round boundary when a worker
+refuses its start for want of an attachment, or when one of this side's links
+has closed): the old links and staging are released and every worker is
+attached again to a fresh staging, so a restarted engine rejoins at the next
+`send_weights` without `trainer_init`.
 
 Core's `ResyncTrainerEngine` drives the round; `transmit` is the data step:
-for each bucket `k`, wait until every worker released buffer `k % n`
-(`SendWindow` over `Credits` futures, which also watches the workers'
-`update_weights` and fails at once if a worker's link closes), pack the
-bucket into it (with `verify`, its digests into the buffer's digest room),
-publish, send `READY`. A source that fails sends `ABORT`.
-Every frame names its round, so any failure other than a closed link leaves
-the link able to carry the next round.
+send the update info's layout digests (`LAYOUT`), then for each bucket `k`,
+wait until every worker released buffer `k % n` (`SendWindow` over `Credits`
+futures, which also watches the workers' `update_weights` and fails at once
+if a worker's link closes), pack the bucket into it (with `verify`, its
+digests into the buffer's digest room), publish, send `READY`. A round that
+fails with every link intact sends `ABORT`, so workers still waiting end it at
+once. Every frame names its round, so any failure other than a closed link
+leaves the link able to carry the next round.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,6 +44,7 @@ from weight_transfer.backend import (
     Credits,
     Frame,
     GroupChannel,
+    LinkClosed,
     LocalLink,
     LocalListener,
     Packer,
@@ -49,6 +61,7 @@ from weight_transfer.backend import (
     check_int_range,
     check_timeout,
     in_background,
+    param_list_digests,
     param_list_payload,
     payload_of,
     trainer_device,
@@ -57,9 +70,12 @@ from wt_ipc.planes import TrainerStaging
 from wt_ipc.protocol import (
     ABORT,
     HELLO,
+    LAYOUT,
     MAX_WORKERS,
     READY,
+    SEAL,
     IPCWorkerInitInfo,
+    StagingSeal,
     digest_room,
     plan_for,
 )
@@ -125,9 +141,12 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         self.info = info
         self.wire = info.wire
         self.device = info.resolved_device()
-        self.channel: GroupChannel[Credits] = GroupChannel("ipc", remedy="call trainer_init again")
+        self.channel: GroupChannel[Credits] = GroupChannel(
+            "ipc", remedy="the next send_weights attaches the workers again (or call trainer_init)"
+        )
         self.staging: TrainerStaging | None = None
         self.round_id = 0
+        self.layout_digests: list[int] = []  # the last update info's, sent in its round
         self.plan_for = PlanCache(lambda metas: plan_for(metas, self.wire))
 
     @classmethod
@@ -141,18 +160,35 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         """Rank 0: allocate the staging and attach every worker (see the module docstring)."""
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
         if engine.is_sender:
-            engine._attach_workers()
+            engine._attach_workers(replace=init_info.replace_trainer)
         return engine
 
-    def _attach_workers(self) -> None:
+    def reconnect(self) -> None:
+        """Attach every worker again, to a fresh staging (at a round boundary).
+
+        The old links and staging go first (shared-memory names cannot be
+        mapped again once unlinked; each CUDA export pairs with one open). A
+        failure leaves this side without a channel and nothing in /dev/shm;
+        the next `send_weights` tries again. Never takes an engine over: a
+        trainer that took this one over since keeps it.
+        """
+        self.channel.close("it is being attached again")
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+        self._attach_workers(replace=False)
+
+    def _attach_workers(self, *, replace: bool) -> None:
         info = self.info
         plane = "cuda" if self.device.type == "cuda" else "shm"
+        nonce = secrets.randbits(63)
         staging = TrainerStaging.create(
             plane,
             info.packed_num_buffers,
             info.packed_buffer_size_bytes,
             self.device,
             readers=info.num_workers,
+            seal=StagingSeal(self.wire, self.trainer_id, nonce),
         )
         listener: LocalListener | None = None
         links: list[LocalLink] = []
@@ -166,11 +202,11 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
                     trainer_pid=os.getpid(),
                     timeout_s=info.timeout_s,
                     trainer_id=self.trainer_id,
-                    replace=info.replace_trainer,
+                    replace=replace,
                     **staging.fields(),
                 )
             )
-            links = self._accept(listener, payload)
+            links = self._accept(listener, payload, nonce)
             staging.attached()
         except BaseException:
             for link in links:
@@ -183,12 +219,21 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         self.staging = staging
         self.channel.connect(Credits(links))
 
-    def _accept(self, listener: LocalListener, payload: dict[str, Any]) -> list[LocalLink]:
-        """Run the workers' init while accepting their links; check their hellos."""
+    def _accept(
+        self, listener: LocalListener, payload: dict[str, Any], nonce: int
+    ) -> list[LocalLink]:
+        """Run the workers' init while accepting their links (each is told the staging's
+        `nonce` first); check their hellos."""
         rpc = in_background(
             lambda: self.client.init_weight_transfer_engine(payload), name="wt-init-rpc"
         )
         links: list[LocalLink] = []
+
+        def take(link: LocalLink) -> None:
+            links.append(link)
+            with contextlib.suppress(LinkClosed):  # a worker gone: its init fails, not ours here
+                link.send(Frame(SEAL, -1, 0, nonce))
+
         try:
             deadline = time.monotonic() + self.info.timeout_s + _RPC_GRACE_S
             while not rpc.done():
@@ -199,10 +244,10 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
                     )
                 link = listener.accept(0.05)
                 if link is not None:
-                    links.append(link)
+                    take(link)
             rpc.result()  # raises the workers' error
             while (link := listener.accept(0.0)) is not None:
-                links.append(link)
+                take(link)
             self._check_hellos(links)
         except BaseException:
             for link in links:
@@ -232,15 +277,18 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
             link.name = f"worker {hello.index} (pid {link.peer_pid})"
 
     def check_ready(self) -> None:
-        self.channel.require()
+        """`ChannelDownError` (which makes core `reconnect`) unless every link is open."""
+        workers = self.channel.require()
+        if not workers.healthy:
+            self.channel.drop(f"a worker's control link closed ({workers.failure})")
+            self.channel.require()
 
     def update_info(self, metas: list[ParamMeta]) -> dict[str, Any]:
+        """The round's update info; its layout digests go out first in the round (`LAYOUT`)."""
         self.round_id += 1
-        return {
-            **param_list_payload(metas),
-            "trainer_id": self.trainer_id,
-            "round_id": self.round_id,
-        }
+        declared = param_list_payload(metas)
+        self.layout_digests = param_list_digests(declared)
+        return {**declared, "trainer_id": self.trainer_id, "round_id": self.round_id}
 
     def num_chunks(self, metas: list[ParamMeta]) -> int:
         return len(self.plan_for(metas).buckets)
@@ -261,7 +309,10 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
             workers.begin(round_id)
             window = SendWindow(RotatingBuffers.over(staging.slots), transfer)
             packer = Packer(pairs)
+            k = 0
             try:
+                for i, value in enumerate(self.layout_digests):
+                    workers.send(Frame(LAYOUT, round_id, i, value))
                 for k, bucket in enumerate(plan.buckets):
                     out = window.buffer(k, bucket.nbytes)
                     try:  # only the source can fail here: tell the workers
@@ -284,8 +335,8 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
             except AlignedFailure:
                 raise
             except Exception as error:
-                if workers.healthy:  # every frame names its round: the link is in step
-                    raise AlignedFailure(error) from error
+                if workers.healthy and _tell_abort(workers, round_id, k):
+                    raise AlignedFailure(error) from error  # every frame names its round
                 reported = transfer.worker_error(within_s=PEER_GRACE_S)
                 if reported is not None and reported is not error:
                     raise reported from error  # why the worker closed its link
@@ -296,3 +347,13 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         if self.staging is not None:
             self.staging.close()
             self.staging = None
+
+
+def _tell_abort(workers: Credits, round_id: int, k: int) -> bool:
+    """Send `ABORT(round_id, k)` to every worker (those still waiting end the round at
+    once, the others skip it); False if a link turned out to be closed."""
+    try:
+        workers.send(Frame(ABORT, round_id, k, 0))
+    except LinkClosed:
+        return False
+    return True

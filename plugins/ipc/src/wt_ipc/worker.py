@@ -1,13 +1,23 @@
 """Worker side of the `ipc` backend: load each bucket from views into the trainer's staging.
 
 `init_transfer_engine` connects to the trainer's control socket (the kernel
-names the process at the other end), maps the staging buffers after checking
-every field against that process (`WorkerStaging.open`) and says hello.
+names the process at the other end), reads the staging's nonce from it, maps
+the staging buffers after checking every field against that process and every
+buffer's seal against the handshake and the nonce (`WorkerStaging.open`), and
+says hello. Only then does the new attachment replace the one this engine
+had: a refused init leaves a working attachment exactly as it was.
 
-`receive_weights` walks the same layout as the trainer: for bucket `k` it
-waits for `READY(k)`, hands views into buffer `k % n` to core's
-`LoadPipeline` (copies where the buffer-reuse rule forbids views, as for any
-bucketed backend) and releases each buffer as soon as nothing refers to it.
+`start_weight_update` refuses a round without a live attachment with core's
+`NO_GROUP` message (a restarted engine, one whose link closed), which makes
+the trainer attach every worker again (`reconnect`) and start once more.
+
+`receive_weights` walks the same layout as the trainer. It first compares
+the update info with the trainer's layout digests (`LAYOUT` frames): an
+update info altered on its way is refused naming the field, before a byte is
+loaded, in step with the trainer. Then for bucket `k` it waits for
+`READY(k)`, hands views into buffer `k % n` to core's `LoadPipeline` (copies
+where the buffer-reuse rule forbids views, as for any bucketed backend) and
+releases each buffer as soon as nothing refers to it.
 With `verify`, the pipeline first checks the bucket against the digests the
 trainer left in the buffer's digest room (a mismatch drains the round).
 A load that fails drains the round (the worker keeps releasing, so the
@@ -25,6 +35,7 @@ from typing import Any
 import torch
 
 from weight_transfer.backend import (
+    PARAM_LIST_FIELDS,
     RELEASED,
     AlignedFailure,
     BucketPlan,
@@ -39,14 +50,19 @@ from weight_transfer.backend import (
     WireParams,
     check_declared,
     connect_local,
+    param_list_digests,
+    param_list_payload,
 )
 from wt_ipc.planes import WorkerStaging
 from wt_ipc.protocol import (
     ABORT,
     HELLO,
+    LAYOUT,
     READY,
+    SEAL,
     IPCUpdateInfo,
     IPCWorkerInitInfo,
+    StagingSeal,
     TrainerAbortedError,
     digest_room,
     plan_for,
@@ -64,7 +80,7 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
     ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.channel: GroupChannel[LocalLink] = GroupChannel(
-            "ipc", remedy="the trainer must run trainer_init again"
+            "ipc", remedy="the trainer attaches its workers again at its next round"
         )
         self.wire: WireParams | None = None
         self.staging: WorkerStaging | None = None
@@ -72,30 +88,45 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
         self.last_round = 0
 
     def init_transfer_engine(self, init_info: IPCWorkerInitInfo) -> None:
-        """Attach to the trainer's staging (replacing a previous attachment)."""
+        """Attach to the trainer's staging, replacing a previous attachment only once the
+        new one is connected, mapped, checked and greeted (a refusal leaves the old one)."""
         self.channel.admit(init_info.trainer_id, replace=init_info.replace)
-        self._detach("the last init_weight_transfer_engine failed")
-        link = connect_local(init_info.control_path, init_info.timeout_s)
-        index = self.position.global_index
-        try:
-            staging = WorkerStaging.open(
-                init_info, index, peer_pid=link.peer_pid, peer_uid=link.peer_uid
-            )
-        except BaseException:
-            link.close()
-            raise
-        try:
-            link.send(Frame(HELLO, -1, index, os.getpid()))
-        except BaseException:
-            staging.close()
-            link.close()
-            raise
+        self._detach_if_trainer_left()
+        link, staging = self._attach(init_info)
+        self._release_staging()
         self.wire, self.staging = init_info.wire, staging
         self.timeout_s, self.last_round = init_info.timeout_s, 0
         self.channel.connect(link, holder=init_info.trainer_id)
 
+    def _attach(self, init_info: IPCWorkerInitInfo) -> tuple[LocalLink, WorkerStaging]:
+        """A new link and mapped staging, hello sent; on any failure both are released."""
+        link = connect_local(init_info.control_path, init_info.timeout_s)
+        staging: WorkerStaging | None = None
+        index = self.position.global_index
+        try:
+            first = link.recv(init_info.timeout_s, "the trainer's staging nonce")
+            if first.kind != SEAL:
+                raise RuntimeError(
+                    f"the trainer on 'control_path' sent {first} before its staging nonce"
+                )
+            seal = StagingSeal(init_info.wire, init_info.trainer_id, first.value)
+            staging = WorkerStaging.open(
+                init_info, index, peer_pid=link.peer_pid, peer_uid=link.peer_uid, seal=seal
+            )
+            link.send(Frame(HELLO, -1, index, os.getpid()))
+        except BaseException:
+            if staging is not None:
+                staging.close()
+            link.close()
+            raise
+        return link, staging
+
     def start_weight_update(self) -> None:
-        """Nothing beyond core's transaction (the loader has begun)."""
+        """Refuse a round without a live attachment (`NO_GROUP`: the trainer attaches
+        every worker again, then starts once more); nothing else beyond core's
+        transaction (the loader has begun)."""
+        self._detach_if_trainer_left()
+        self.channel.require()
 
     def receive_weights(self, update_info: IPCUpdateInfo) -> None:
         wire, staging = self.wire, self.staging
@@ -119,14 +150,18 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
         self.last_round = round_id
         try:
             with self.channel.on_wire("receiving a round") as link:
-                self._receive_round(link, plan, round_id, staging)
+                self._receive_round(link, plan, update_info, staging)
         finally:
             if not self.channel.connected:  # the link is gone, and with it the trainer's staging
                 self._release_staging()
 
     def _receive_round(
-        self, link: LocalLink, plan: BucketPlan, round_id: int, staging: WorkerStaging
+        self, link: LocalLink, plan: BucketPlan, update_info: IPCUpdateInfo, staging: WorkerStaging
     ) -> None:
+        round_id = update_info.round_id
+        # Before any release: a refused round stops the trainer at its window, not after
+        # it has queued every bucket's frame on this link.
+        self._check_layout(link, round_id, update_info)
         slots = staging.slots
         released = 0
 
@@ -147,12 +182,7 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
                 release(k - len(slots) + 1)  # the reuse rule frees bucket k - n by now
                 frame = self._next_frame(link, round_id, f"bucket {k}")
                 if frame.kind == ABORT:
-                    raise AlignedFailure(
-                        TrainerAbortedError(
-                            f"the trainer aborted the update at bucket {k} of "
-                            f"{len(plan.buckets)}; see the trainer's error"
-                        )
-                    )
+                    raise _aborted(f"at bucket {k} of {len(plan.buckets)}")
                 if (frame.kind, frame.index, frame.value) != (READY, k, bucket.nbytes):
                     raise RuntimeError(
                         f"control link out of step: expected READY of bucket {k} "
@@ -171,6 +201,31 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
             pipeline.close()
             with contextlib.suppress(LinkClosed):
                 release(len(plan.buckets))
+
+    def _check_layout(self, link: LocalLink, round_id: int, update_info: IPCUpdateInfo) -> None:
+        """Refuse, in step with the trainer (`AlignedFailure`), an update info whose
+        parameter list is not the one the trainer declared (its `LAYOUT` frames), naming
+        the first field that differs; nothing has been loaded yet."""
+        theirs = []
+        for i, name in enumerate(PARAM_LIST_FIELDS):
+            frame = self._next_frame(link, round_id, f"the layout digest of {name!r}")
+            if frame.kind == ABORT:
+                raise _aborted("before its first bucket")
+            if (frame.kind, frame.index) != (LAYOUT, i):
+                raise RuntimeError(
+                    f"control link out of step: expected the layout digest of {name!r}, got {frame}"
+                )
+            theirs.append(frame.value)
+        ours = param_list_digests(param_list_payload(update_info.metas))
+        for name, mine, trainer in zip(PARAM_LIST_FIELDS, ours, theirs, strict=True):
+            if mine != trainer:
+                raise AlignedFailure(
+                    ValueError(
+                        f"update_info: field {name!r} is not what the trainer declared for "
+                        f"round {round_id} (digest {mine}, the trainer's {trainer}): the "
+                        "update info was altered on its way; nothing was loaded"
+                    )
+                )
 
     def _next_frame(self, link: LocalLink, round_id: int, what: str) -> Frame:
         """The next frame of `round_id`, skipping those a round that ended early left."""
@@ -192,6 +247,13 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
             self.staging.close()
             self.staging = None
 
+    def _detach_if_trainer_left(self) -> None:
+        """Release an attachment whose trainer closed its end of the link (a working
+        attachment is kept)."""
+        link = self.channel.group
+        if link is not None and not link.peer_alive():
+            self._detach("the trainer closed the control link")
+
     def _detach(self, reason: str) -> None:
         self.channel.drop(reason)
         self._release_staging()
@@ -199,3 +261,9 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
     def shutdown(self) -> None:
         self.channel.close()
         self._release_staging()
+
+
+def _aborted(where: str) -> AlignedFailure:
+    return AlignedFailure(
+        TrainerAbortedError(f"the trainer aborted the update {where}; see the trainer's error")
+    )

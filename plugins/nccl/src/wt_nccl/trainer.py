@@ -4,9 +4,11 @@ Core's `ResyncTrainerEngine` drives the round on every rank; this module is
 the transmit step. For each bucket `k` of the plan: pack it into staging
 buffer `k % n` (the `SendWindow` waits until that buffer's previous sends are
 done, so packing `k + 1` overlaps broadcasting `k`), then broadcast its header
-`[k, OK]` and its bytes. If the source fails while bucket `k` is being packed,
-the sends in flight are drained and `[k, ABORT]` goes out instead, so every
-worker stops at the same collective and the group carries the next round.
+(`Header`: status OK, what the bucket holds, the digests of the declared
+parameter list) and its bytes. If the source fails while bucket `k` is being
+packed, the sends in flight are drained and an ABORT header goes out instead,
+so every worker stops at the same collective and the group carries the next
+round.
 With `verify`, a third broadcast per bucket carries the digests of its pieces
 (`BucketDigests`, summed while the bytes go out).
 """
@@ -36,6 +38,7 @@ from weight_transfer.backend import (
     VLLMWeightSyncClient,
     WeightSource,
     as_bytes,
+    param_list_digests,
     param_list_payload,
     payload_of,
     trainer_rendezvous,
@@ -44,9 +47,9 @@ from weight_transfer.backend import (
 from wt_nccl.protocol import (
     HEADER_ABORT,
     HEADER_OK,
+    Header,
     NCCLWorkerInitInfo,
     WireParams,
-    header,
     plan_for,
 )
 
@@ -129,6 +132,7 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
         transfer: Transfer,
     ) -> None:
         plan = self.plan_for(metas)
+        declared = param_list_digests(param_list_payload(metas))
         digests = BucketDigests.of_plan(plan) if self.wire.verify else None
         with self.channel.on_wire("a broadcast") as group:
             window = SendWindow(self._buffers, transfer)
@@ -143,9 +147,9 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
                     if k == len(plan.buckets) - 1:
                         packer.exhaust()
                 except Exception as error:
-                    self._abort_at(k, window, transfer)
+                    self._abort_at(Header.of(k, HEADER_ABORT, plan, declared), window, transfer)
                     raise AlignedFailure(error) from error
-                head = header(k, HEADER_OK, self.device)
+                head = Header.of(k, HEADER_OK, plan, declared).tensor(self.device)
                 what = f"the broadcast of bucket {k}"
                 sends = [work_future(group.broadcast(t), what) for t in (head, out)]
                 keep = [head, out]
@@ -159,13 +163,11 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
                 packer.exhaust()
             window.drain()
 
-    def _abort_at(self, k: int, window: SendWindow, transfer: Transfer) -> None:
-        """Tell every worker the round ends at bucket `k` (after the sends in flight)."""
+    def _abort_at(self, head: Header, window: SendWindow, transfer: Transfer) -> None:
+        """Tell every worker the round ends at `head`'s bucket (after the sends in flight)."""
         window.drain("the broadcasts before the abort notice")
         group = self.channel.require()
-        notice = work_future(
-            group.broadcast(header(k, HEADER_ABORT, self.device)), "the abort notice"
-        )
+        notice = work_future(group.broadcast(head.tensor(self.device)), "the abort notice")
         transfer.wait(notice, "the abort notice", watching=False)  # they fail on purpose
 
     def shutdown(self) -> None:

@@ -9,6 +9,12 @@ allows it and copies otherwise (`Unpacker`'s `view_horizon`).
 With `verify`, each bucket's digests follow its bytes; the pipeline checks the
 bucket against them before loading it (`LoadPipeline.received`).
 
+Before sizing any receive, each bucket's header is checked against the
+worker's plan: an update info that is not the trainer's (its declared
+parameter list differs) is refused naming the field, after the rest of the
+round has been received as the trainer's headers size it, so the group stays
+in step and the model keeps its weights.
+
 Failure: a load that fails, or a bucket whose bytes differ from the trainer's
 digests, makes the pipeline drain the rest of the round (the group stays
 aligned), then the round raises; an abort notice from the trainer
@@ -34,10 +40,14 @@ from weight_transfer.backend import (
     Unpacker,
     WeightTransferEngine,
     check_declared,
+    host_memory_bytes,
     join_group,
+    param_list_digests,
 )
 from wt_nccl.protocol import (
+    HEADER_LEN,
     HEADER_OK,
+    Header,
     NCCLUpdateInfo,
     NCCLWorkerInitInfo,
     TrainerAbortedError,
@@ -46,6 +56,8 @@ from wt_nccl.protocol import (
 )
 
 __all__ = ["NCCLWorkerEngine"]
+
+_MAX_PIECES = 1 << 22  # more tensors in one bucket than any model has
 
 
 class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo]):
@@ -93,25 +105,26 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         self.channel.check_holder(update_info.trainer_id)
         check_declared(update_info.metas, self.model, what="update_info")
         plan = plan_for(update_info.metas, wire)
+        declared = param_list_digests(vars(update_info))
         loader = self.loader
         with self.channel.on_wire("receiving a round") as group:
             unpacker = Unpacker(plan, group.device)
             pipeline = LoadPipeline(loader.load, len(buffers), group.timeout_s, name="wt-nccl-load")
-            head = torch.empty(2, dtype=torch.int64, device=group.device)
             try:
                 for k, bucket in enumerate(plan.buckets):
                     pipeline.before_receive(k)
-                    group.wait(group.broadcast(head), f"the header of bucket {k}")
-                    seq, status = (int(v) for v in head.tolist())
-                    if seq != k:
-                        raise RuntimeError(f"wire out of step: expected bucket {k}, got {seq}")
-                    if status != HEADER_OK:
+                    head = self._header(group, k)
+                    if head.status != HEADER_OK:
                         raise AlignedFailure(
                             TrainerAbortedError(
                                 f"the trainer aborted the update at bucket {k} of "
                                 f"{len(plan.buckets)}; see the trainer's error"
                             )
                         )
+                    problem = head.disagreement(plan, declared)
+                    if problem is not None:
+                        self._drain(group, head, wire)
+                        raise AlignedFailure(ValueError(problem))
                     if wire.packed:
                         data = buffers.get(k, bucket.nbytes)
                     else:
@@ -130,6 +143,38 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
                     raise AlignedFailure(failed) from failed
             finally:
                 pipeline.close()
+
+    def _header(self, group: StatelessGroup, k: int) -> Header:
+        """Receive the header of bucket `k`; a header out of sequence tears the group down."""
+        raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=group.device)
+        group.wait(group.broadcast(raw), f"the header of bucket {k}")
+        head = Header.parse([int(v) for v in raw.tolist()])
+        if head.bucket != k:
+            raise RuntimeError(f"wire out of step: expected bucket {k}, got {head.bucket}")
+        return head
+
+    def _drain(self, group: StatelessGroup, head: Header, wire: WireParams) -> None:
+        """Receive the rest of the trainer's round, from `head`'s bucket on, as the
+        trainer's headers size it, and discard it: the group stays in step. A size
+        no honest trainer sends (over a staging buffer, or the host's memory when
+        unpacked) tears the group down instead."""
+        limit = wire.packed_buffer_size_bytes if wire.packed else host_memory_bytes() // 2
+        while True:
+            if not (0 <= head.nbytes <= limit and 0 <= head.pieces <= _MAX_PIECES):
+                raise RuntimeError(
+                    f"bucket {head.bucket}: the trainer's header declares {head.nbytes} bytes "
+                    f"in {head.pieces} pieces, over the limit of {limit} bytes"
+                )
+            scratch = torch.empty(head.nbytes, dtype=torch.uint8, device=group.device)
+            group.wait(group.broadcast(scratch), f"bucket {head.bucket} (drained)")
+            if wire.verify:
+                sums = torch.empty(head.pieces, 2, dtype=DIGEST_DTYPE, device=group.device)
+                group.wait(group.broadcast(sums), f"the digests of bucket {head.bucket} (drained)")
+            if head.bucket + 1 >= head.buckets:
+                return
+            head = self._header(group, head.bucket + 1)
+            if head.status != HEADER_OK:
+                return  # the trainer ended the round itself
 
     def finish_weight_update(self) -> None:
         """Nothing beyond core's transaction (the loader commits)."""

@@ -13,10 +13,13 @@ and by the consumers:
 
     serve(sync_id, consumer, seq, keys, expect)   replay each key's chain on the
                                   published tensor, lay the slices out
-                                  (`aligned_layout`) in the consumer's serve
-                                  slot `seq % K`, return that blob
+                                  (`blob_layout`) in the consumer's serve
+                                  slot `seq % K` (with `verify`, their digest
+                                  rows after them), return that blob
     free(sync_id, consumer, group)
     heartbeat(sync_id, consumer)
+    skip(sync_id, consumer)       the consumer's update leaves it out of the sync
+    consumer_failed(sync_id, consumer, message)   the consumer's update failed
 
 Invariants:
 - A group's tensors are dropped only when every live consumer has freed it,
@@ -31,8 +34,13 @@ Invariants:
   a heartbeat is not progress) for `stall_timeout_s` fails every waiter,
   naming the groups and the consumers they wait for; a consumer seen this sync that then stays
   silent for `peer_timeout_s` while a group waits for its free fails it
-  naming that consumer. `set_error` (the trainer rank failed) wakes and fails
-  every waiter too.
+  naming that consumer. `set_error` (the trainer rank failed) and
+  `consumer_failed` wake and fail every waiter too; they name their sync, so
+  an error that arrives before the sync begins here still fails it, and a
+  late one never fails the next.
+- The live set is the trainer's (`begin_sync`), never a consumer's: a
+  consumer that skips a sync it is live in, or pulls in one it is not live
+  in, fails that sync at once (its update disagrees with the trainer's).
 """
 
 from __future__ import annotations
@@ -48,11 +56,11 @@ import torch
 
 from weight_transfer.backend import (
     FetchKey,
-    aligned_layout,
     apply_chain,
     describe_chain,
     dtype_name,
 )
+from wt_sharded_rdt.protocol import blob_digests, blob_layout, digests_view
 
 __all__ = ["Producer", "ProducerError", "POLL_S"]
 
@@ -76,11 +84,15 @@ class Producer:
         num_buffers: int,
         stall_timeout_s: float,
         peer_timeout_s: float,
+        param_digests: Sequence[int] = (),
+        verify: bool = False,
         allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         self.rank = rank
         self.served = frozenset(served_names)
         self.digest = digest
+        self.param_digests = list(param_digests)
+        self.verify = verify
         self.held = list(held)
         self.num_buffers = num_buffers
         self.stall_timeout_s = stall_timeout_s
@@ -92,6 +104,8 @@ class Producer:
         self._published: dict[int, dict[str, torch.Tensor]] = {}
         self._freed_by: dict[int, set[int]] = {}
         self._early: dict[int, list[tuple[int, int]]] = {}  # sync -> (consumer, group)
+        self._early_skips: dict[int, set[int]] = {}  # sync -> consumers that skip it
+        self._early_error: tuple[int, str] | None = None  # (sync, why) before it began
         self._released: list[int] = []
         self._cache: dict[str, torch.Tensor] = {}
         self._rings: dict[int, list[torch.Tensor | None]] = {}
@@ -101,7 +115,16 @@ class Producer:
 
     # -- description ------------------------------------------------------
     def describe(self) -> dict[str, Any]:
-        return {"rank": self.rank, "digest": self.digest, "held": self.held, "pid": os.getpid()}
+        """What a handshake must agree with: this rank, its metadata (one digest in
+        all and one per field of `PARAM_LIST_FIELDS`), its held mask, `verify`."""
+        return {
+            "rank": self.rank,
+            "digest": self.digest,
+            "param_digests": self.param_digests,
+            "held": self.held,
+            "verify": self.verify,
+            "pid": os.getpid(),
+        }
 
     def ping(self) -> int:
         return os.getpid()
@@ -117,6 +140,12 @@ class Producer:
             for consumer, group in self._early.pop(sync_id, []):
                 self._freed_by.setdefault(group, set()).add(consumer)
             self._early = {s: v for s, v in self._early.items() if s > sync_id}
+            early_error, self._early_error = self._early_error, None
+            if early_error is not None and early_error[0] == sync_id:
+                self._error = early_error[1]
+            for consumer in sorted(self._early_skips.pop(sync_id, ())):
+                self._refuse_skip(consumer)
+            self._early_skips = {s: v for s, v in self._early_skips.items() if s > sync_id}
             self._cond.notify_all()
 
     def publish(self, group: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -148,8 +177,32 @@ class Producer:
                 self._cond.wait(POLL_S)
             self._cache = {}
 
-    def set_error(self, message: str) -> None:
+    def consumer_failed(self, sync_id: int, consumer: int, message: str) -> None:
+        """`consumer` failed (or refused) what it took for sync `sync_id`.
+
+        Like `set_error(message, sync_id)`, except that a consumer which still
+        owes this running sync a free fails it whatever `sync_id` it names: its
+        update named a sync the trainer is not running, so this one cannot end.
+        """
         with self._cond:
+            if sync_id > self._sync and self._owes_free(consumer):
+                sync_id = self._sync
+        self.set_error(message, sync_id)
+
+    def set_error(self, message: str, sync_id: int | None = None) -> None:
+        """Fail the sync `sync_id` (default: the current one), waking every waiter.
+
+        An error for a sync that has not begun here is kept for the next
+        `begin_sync`, which takes it if it begins that very sync (a consumer can
+        refuse its update before a rank begins the sync); one for an older sync
+        is dropped (it must not fail the next).
+        """
+        with self._cond:
+            if sync_id is not None and sync_id > self._sync:
+                self._early_error = (sync_id, message)
+                return
+            if sync_id is not None and sync_id < self._sync:
+                return
             if self._error is None:
                 self._error = message
             self._published, self._cache = {}, {}
@@ -168,6 +221,17 @@ class Producer:
         with self._cond:
             if sync_id == self._sync:  # liveness only: a heartbeat is not progress
                 self._seen[consumer] = time.monotonic()
+
+    def skip(self, sync_id: int, consumer: int) -> None:
+        """`consumer`'s update for `sync_id` leaves it out of the live set: if this
+        sync's live set (the trainer's) has it, the sync fails now, naming it, rather
+        than wait a stall timeout for frees that will not come."""
+        with self._cond:
+            if sync_id > self._sync:
+                self._early_skips.setdefault(sync_id, set()).add(consumer)
+            elif sync_id == self._sync:
+                self._refuse_skip(consumer)
+                self._cond.notify_all()
 
     def free(self, sync_id: int, consumer: int, group: int) -> bool:
         """Count `consumer`'s free of `group`; False if it belongs to an older sync."""
@@ -220,7 +284,9 @@ class Producer:
                     f"x {piece.numel()}, consumer {consumer} expects {dtype} x {numel}"
                 )
             slices.append(piece)
-        offsets, nbytes = aligned_layout([p.numel() * p.element_size() for p in slices])
+        sizes = [p.numel() * p.element_size() for p in slices]
+        layout = blob_layout(sizes, self.verify)
+        nbytes = layout.nbytes
         with self._cond:
             ring = self._rings.setdefault(consumer, [None] * self.num_buffers)
             slot = ring[seq % self.num_buffers]
@@ -230,10 +296,12 @@ class Producer:
                     "(reserve it at init)", self.rank, consumer, nbytes,
                 )  # fmt: skip
                 slot = ring[seq % self.num_buffers] = self._allocate(max(nbytes, 1))
-        for piece, offset in zip(slices, offsets, strict=True):
+        for piece, offset in zip(slices, layout.offsets, strict=True):
             if piece.numel():
                 size = piece.numel() * piece.element_size()
                 slot[offset : offset + size].view(piece.dtype).view(piece.shape).copy_(piece)
+        if self.verify:  # digests of the bytes as they leave, in the blob's own tail
+            digests_view(slot, layout).copy_(blob_digests(tuple(sizes)).of(0, slot))
         with self._cond:
             self._seen[consumer] = time.monotonic()
             self._touch()
@@ -252,19 +320,50 @@ class Producer:
                 if sync_id == self._sync:
                     if self._live and consumer not in self._live:
                         raise ProducerError(
-                            f"consumer {consumer} is not in sync {sync_id}'s live set"
+                            f"consumer {consumer} pulled in sync {sync_id}, whose live set "
+                            "(the trainer's) leaves it out: its update's 'live_consumers' "
+                            "disagrees with the trainer's"
                         )
                     self._seen[consumer] = time.monotonic()
                     if all(n in self._cache for n in names):
                         return [self._cache[n] for n in names]
                     self._check_locked()
+                elif self._owes_free(consumer):  # refused; the consumer's failure ends the sync
+                    raise ProducerError(
+                        f"producer rank {self.rank}, sync {self._sync}: consumer {consumer} "
+                        f"pulled for sync {sync_id} while this sync waits for its frees: its "
+                        "update's 'sync_id' is not the trainer's"
+                    )
                 elif time.monotonic() - arrived > self.stall_timeout_s:
                     raise ProducerError(
                         f"producer rank {self.rank}: sync {sync_id} did not begin within "
                         f"{self.stall_timeout_s:g}s of consumer {consumer}'s pull (it is at "
-                        f"sync {self._sync})"
+                        f"sync {self._sync}; is the update's 'sync_id' the trainer's?)"
                     )
                 self._cond.wait(POLL_S)
+
+    def _refuse_skip(self, consumer: int) -> None:
+        """Fail this sync if `consumer`, which skips it, is in its live set."""
+        if consumer in self._live and self._error is None:
+            self._error = (
+                f"producer rank {self.rank}, sync {self._sync}: consumer {consumer} skipped "
+                "the sync (its update's 'live_consumers' leaves it out), but the trainer's "
+                "live set has it"
+            )
+            logger.error("%s", self._error)
+            self._published, self._cache = {}, {}
+
+    def _owes_free(self, consumer: int) -> bool:
+        """Whether this sync, with no error yet, waits for `consumer`'s free of a
+        published group. A consumer that finished a sync has freed every group of it
+        here (its finish waits for the acknowledgements), so one that owes a free and
+        pulls for a later sync was handed a `sync_id` the trainer is not running (or is
+        a pull left over from a sync it abandoned)."""
+        return (
+            self._error is None
+            and consumer in self._live
+            and any(consumer not in self._freed_by.get(g, ()) for g in self._published)
+        )
 
     def _touch(self) -> None:
         self._progress = time.monotonic()

@@ -7,13 +7,22 @@ runs of `layerwise_groups`), who holds what (`owner_sets`: distinct sorted
 sets of trainer ranks; `name_owner_class[i]`: the set holding name `i`), the
 producers' names and where to find them (Ray namespace and cluster
 address, for nixl), the transport, the ring depth, the timeouts, and this
-replica's identity (`replica_rank`, filled in by the trainer per replica).
+replica's identity (`replica_rank`, filled in by the trainer per replica),
+and `verify` (opt-in verified bytes, below).
 
 Update info (`ShardedRDTUpdateInfo`): the trainer, the sync's number, and the
 live consumers (empty: all). There is no per-sync layout: each consumer's
 plan is static (`build_plan`), derived once from the handshake and its own
 dry run; a pull names its slices (`FetchKey`s) and the layout both ends
-derive from them (`aligned_layout` over the slices' sizes).
+derive from them (`blob_layout`: `aligned_layout` over the slices' sizes).
+
+Verified bytes (`verify`): the producer digests every slice of a blob as it
+lies in the serve slot (core's `BucketDigests`, one `int64[S1, S2]` row per
+slice) and writes the rows after the slices, at the next aligned offset
+(`blob_layout`: the digest room is one more piece of the same layout, so
+both ends derive it and nothing else travels). The consumer checks a landed
+blob against them before scattering any of it; a mismatch names the
+parameter, the pull and the producer.
 
 Consumer id: `replica_rank * workers_per_replica + worker.global_index`,
 unique across the fleet; it keys the producers' serve rings.
@@ -27,13 +36,22 @@ sync; a group is released (its tensors dropped) when all have arrived.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from weight_transfer.backend import (
+    DIGEST_DTYPE,
+    Bucket,
+    BucketDigests,
+    BucketPlan,
     FetchKey,
     ParamMeta,
+    Piece,
     Scatter,
     SliceRecord,
     WeightTransferInitInfo,
@@ -59,6 +77,11 @@ __all__ = [
     "ConsumerPlan",
     "build_plan",
     "chunk_expectation",
+    "BlobLayout",
+    "blob_layout",
+    "blob_digests",
+    "plan_digests",
+    "digests_view",
 ]
 
 TRANSPORTS = ("nixl", "loopback")
@@ -121,6 +144,7 @@ class ShardedRDTWorkerInitInfo(WireProtocolInfo, WeightTransferInitInfo):
     timeout_s: float = 300.0
     trainer_id: str = ""
     replace: bool = False
+    verify: bool = False
     metas: list[ParamMeta] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -196,11 +220,26 @@ class ShardedRDTWorkerInitInfo(WireProtocolInfo, WeightTransferInitInfo):
 
 @dataclass
 class ShardedRDTUpdateInfo(WeightTransferUpdateInfo):
-    """One sync: the trainer, its number, the live consumers (empty: all)."""
+    """One sync: the trainer, its number, the live consumers (empty: all).
+
+    `sync_id` must be positive and `live_consumers` strictly increasing and
+    non-negative (`ValueError` naming the field); the worker also checks them
+    against its handshake and its own history.
+    """
 
     trainer_id: str = ""
     sync_id: int = 0
     live_consumers: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.sync_id < 1:
+            raise ValueError(f"update_info: field 'sync_id' must be positive, got {self.sync_id}")
+        live = self.live_consumers
+        if any(c < 0 for c in live) or any(a >= b for a, b in itertools.pairwise(live)):
+            raise ValueError(
+                "update_info: field 'live_consumers' must be strictly increasing consumer ids, "
+                f"got {live[:8]}{'...' if len(live) > 8 else ''}"
+            )
 
 
 class Router:
@@ -226,12 +265,72 @@ class Router:
         return sorted({r for n in names for r in self.owners(n)})
 
 
+@dataclass(frozen=True)
+class BlobLayout:
+    """Where a pull's slices lie in its blob (`offsets`), where their digests do
+    (`digests_at`, `None` without verify), and the blob's length."""
+
+    offsets: list[int]
+    digests_at: int | None
+    nbytes: int
+
+    @property
+    def data_bytes(self) -> int:
+        """The bytes the slices span (the digests lie beyond)."""
+        return self.digests_at if self.digests_at is not None else self.nbytes
+
+
+DIGEST_ROW_BYTES = 2 * DIGEST_DTYPE.itemsize
+
+
+def blob_layout(sizes: Sequence[int], verify: bool) -> BlobLayout:
+    """The layout of a blob of slices of `sizes` bytes (`aligned_layout`); with
+    `verify` the digest rows (`int64[len(sizes), 2]`) are one more piece after them."""
+    if not verify:
+        offsets, nbytes = aligned_layout(sizes)
+        return BlobLayout(offsets, None, nbytes)
+    offsets, nbytes = aligned_layout([*sizes, DIGEST_ROW_BYTES * len(sizes)])
+    return BlobLayout(offsets[:-1], offsets[-1], nbytes)
+
+
+def digests_view(blob: torch.Tensor, layout: BlobLayout) -> torch.Tensor:
+    """The `int64[slices, 2]` digest rows inside `blob` (a flat uint8 tensor)."""
+    if layout.digests_at is None:
+        raise ValueError("this blob carries no digests (verify is off)")
+    rows = len(layout.offsets)
+    region = blob[layout.digests_at : layout.digests_at + DIGEST_ROW_BYTES * rows]
+    return region.view(DIGEST_DTYPE).view(rows, 2)
+
+
+def plan_digests(blobs: Sequence[Sequence[tuple[str, int]]]) -> BucketDigests:
+    """Core's `BucketDigests` over verified blobs of `(parameter name, slice bytes)`:
+    blob `k` is bucket `k`, so `of(k, blob)` digests its slices where they lie."""
+    params: list[ParamMeta] = []
+    buckets: list[Bucket] = []
+    for slices in blobs:
+        layout = blob_layout([size for _, size in slices], verify=True)
+        pieces = []
+        for (name, size), offset in zip(slices, layout.offsets, strict=True):
+            pieces.append(Piece(param=len(params), start=0, nbytes=size, offset=offset))
+            params.append(ParamMeta(name, torch.uint8, (size,)))
+        buckets.append(Bucket(tuple(pieces), layout.data_bytes))
+    return BucketDigests(BucketPlan(tuple(params), tuple(buckets), (0,) * len(params)))
+
+
+@functools.lru_cache(maxsize=1024)
+def blob_digests(sizes: tuple[int, ...]) -> BucketDigests:
+    """The producer's digester of a verified blob of slices of `sizes` bytes (bucket 0),
+    kept per layout: a consumer pulls the same layouts every sync."""
+    return plan_digests([[("", size) for size in sizes]])
+
+
 @dataclass
 class Chunk:
     """One pull: slices `keys` of group `group` from producer `owner`.
 
-    `offsets`/`nbytes` are the layout of the pulled blob (`aligned_layout`
-    over each slice's bytes); `scatters[i]` are where slice `i` lands. Before
+    `offsets`/`nbytes` are the layout of the pulled blob (`blob_layout` over
+    each slice's bytes), `digests_at` where its digest rows lie (verify only);
+    `scatters[i]` are where slice `i` lands. Before
     applying it, `begins` modules are materialized; after, `ends` are
     processed. `frees` are the groups whose last chunk this is.
     """
@@ -249,6 +348,11 @@ class Chunk:
     begins: list[str] = field(default_factory=list)
     ends: list[str] = field(default_factory=list)
     frees: list[int] = field(default_factory=list)
+    digests_at: int | None = None
+
+    @property
+    def layout(self) -> BlobLayout:
+        return BlobLayout(self.offsets, self.digests_at, self.nbytes)
 
 
 @dataclass
@@ -275,6 +379,16 @@ class ConsumerPlan:
     def total_bytes(self) -> int:
         return sum(c.nbytes for c in self.chunks)
 
+    def digests(self) -> BucketDigests:
+        """The checker of this plan's verified blobs: bucket `k` is chunk `k`, its
+        pieces the chunk's slices under their parameters' names."""
+        return plan_digests(
+            [
+                [(key[0], s[0].nbytes) for key, s in zip(c.keys, c.scatters, strict=True)]
+                for c in self.chunks
+            ]
+        )
+
 
 def chunk_expectation(chunk: Chunk) -> list[tuple[str, int]]:
     return list(zip(chunk.dtypes, chunk.numels, strict=True))
@@ -286,9 +400,11 @@ def build_plan(
     router: Router,
     consumer_id: int,
     chunk_bytes: int,
+    verify: bool = False,
 ) -> ConsumerPlan:
     """Cut each group's recorded slices into pulls: one per owner class present,
-    split at `chunk_bytes` (a slice larger than that is a pull of its own)."""
+    split at `chunk_bytes` (a slice larger than that is a pull of its own); with
+    `verify` each blob also carries its digest rows (`blob_layout`)."""
     chunks: list[Chunk] = []
     pre_free: list[int] = []
     seq_of: dict[int, int] = {}
@@ -312,8 +428,7 @@ def build_plan(
         for cls in sorted(by_class):
             owner = router.producer_for(consumer_id, cls, gi)
             for piece in _split(by_class[cls], chunk_bytes):
-                sizes = [s[0].nbytes for _, s in piece]
-                offsets, nbytes = aligned_layout(sizes)
+                layout = blob_layout([s[0].nbytes for _, s in piece], verify)
                 index = len(chunks)
                 chunk = Chunk(
                     index=index,
@@ -323,9 +438,10 @@ def build_plan(
                     keys=[k for k, _ in piece],
                     dtypes=[dtype_name(s[0].src_dtype) for _, s in piece],
                     numels=[s[0].numel for _, s in piece],
-                    offsets=offsets,
-                    nbytes=nbytes,
+                    offsets=layout.offsets,
+                    nbytes=layout.nbytes,
                     scatters=[s for _, s in piece],
+                    digests_at=layout.digests_at,
                 )
                 seq_of[owner] = chunk.seq + 1
                 chunks.append(chunk)

@@ -44,8 +44,10 @@ from weight_transfer.backend import (
     all_finite,
     check_int_range,
     check_timeout,
+    fleet_of,
     in_background,
     layerwise_groups,
+    param_list_digests,
     param_list_payload,
     payload_of,
     wait_for,
@@ -93,6 +95,9 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
     this long fails; `peer_timeout_s`: a consumer silent this long while a
     group waits for it fails the sync, naming it. `actor_env`: environment
     for the producer actors, on top of this process's `UCX_*` / `NIXL_*`.
+    `verify`: every pulled blob carries the digests of its slices, which the
+    consumer checks before scattering it (a mismatch fails the sync naming
+    the parameter; it costs about two passes over the bytes on each side).
     """
 
     backend: ClassVar[str] = "sharded_rdt"
@@ -110,6 +115,7 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = field(default=300.0, kw_only=True)
     actor_env: dict[str, str] = field(default_factory=dict, kw_only=True)
     replace_trainer: bool = field(default=False, kw_only=True)
+    verify: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         what = type(self).__name__
@@ -221,6 +227,8 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                 "num_buffers": info.num_rdt_buffers,
                 "stall_timeout_s": info.stall_timeout_s,
                 "peer_timeout_s": info.peer_timeout_s,
+                "param_digests": param_list_digests(param_list_payload(self.metas)),
+                "verify": info.verify,
             },
             staging_bytes=staging,
             staging_slots=info.gather_lookahead + 1,
@@ -289,24 +297,28 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                 timeout_s=info.timeout_s,
                 trainer_id=self.trainer_id,
                 replace=info.replace_trainer,
+                verify=info.verify,
             )
         )
 
     def _attach_workers(self) -> None:
-        replicas: Sequence[Any] = getattr(self.client.inner, "replicas", [self.client.inner])
-        if len(replicas) != self.info.num_replicas:
+        """Send every replica its own handshake (a fleet's `init_replicas`, core's keyed path)."""
+        fleet = fleet_of(self.client)
+        replicas = len(fleet.replicas) if fleet is not None else 1
+        if replicas != self.info.num_replicas:
             raise ValueError(
                 f"ShardedRDTTrainerInitInfo: field 'num_replicas' is {self.info.num_replicas}, "
-                f"the client reaches {len(replicas)} replicas"
+                f"the client reaches {replicas} replicas"
             )
-        payloads = [self.get_worker_init_payload(r) for r in range(len(replicas))]
-        calls = {
-            f"replica {r}'s init_weight_transfer_engine": in_background(
-                functools.partial(c.init_weight_transfer_engine, p), name="wt-rdt-init"
-            )
-            for r, (c, p) in enumerate(zip(replicas, payloads, strict=True))
-        }
-        wait_for(calls, self.info.timeout_s + _RPC_GRACE_S)
+        payloads = [self.get_worker_init_payload(r) for r in range(replicas)]
+        if fleet is not None:
+            call = functools.partial(fleet.init_replicas, payloads)
+        else:
+            call = functools.partial(self.client.init_weight_transfer_engine, payloads[0])
+        rpc = in_background(call, name="wt-rdt-init")
+        wait_for(
+            {"the workers' init_weight_transfer_engine": rpc}, self.info.timeout_s + _RPC_GRACE_S
+        )
 
     def reconnect(self) -> None:
         """Send every replica its handshake again (a restarted one joins; the others
@@ -382,7 +394,9 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
             host.end_sync(self.info.stall_timeout_s)
         except BaseException as error:
             reason = f"{type(error).__name__}: {error}"
-            self._fail_sync(f"trainer rank {self.info.rank} failed sync {sync_id}: {reason}")
+            self._fail_sync(
+                f"trainer rank {self.info.rank} failed sync {sync_id}: {reason}", sync_id
+            )
             if transfer is not None:
                 # The workers stop at the producers' error and roll back; give
                 # their update a grace to end, so that a failed sync returns
@@ -443,13 +457,14 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                 if error is not None:
                     raise error
 
-    def _fail_sync(self, message: str) -> None:
+    def _fail_sync(self, message: str, sync_id: int) -> None:
+        """Fail sync `sync_id` at this rank's producer (the sender: at every rank's)."""
         targets: list[Any] = [self.host, *self.peers] if self.is_sender else [self.host]
         for target in targets:
             if target is None:
                 continue
             try:
-                target.set_error(message)
+                target.set_error(message, sync_id)
             except Exception as error:  # a dead producer needs no notice
                 logger.debug("could not notify a producer: %s", error)
 

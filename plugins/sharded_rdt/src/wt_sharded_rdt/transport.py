@@ -18,8 +18,9 @@ layout, scatter) is the same code whichever carries the bytes:
 Trainer side (`ProducerHost`): `describe`, `begin_sync`, `publish`,
 `wait_freed`, `end_sync`, `set_error`, `close`. Consumer side
 (`ProducerClient`): `pull` (returns a `Pending` whose `result(timeout_s)`
-returns once the bytes are in the receive slot), `free`, `heartbeat`,
-`reserve`, `describe`. Every call that waits takes a timeout.
+returns once the bytes are in the receive slot, and raises if the blob is not
+the size the consumer planned), `free`, `heartbeat`, `skip`,
+`consumer_failed`, `reserve`, `describe`. Every call that waits takes a timeout.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class ProducerHost(Protocol):
 
     def end_sync(self, within_s: float) -> None: ...
 
-    def set_error(self, message: str) -> None: ...
+    def set_error(self, message: str, sync_id: int | None = None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -103,9 +104,23 @@ class ProducerClient(Protocol):
 
     def heartbeat(self, sync_id: int, consumer: int) -> None: ...
 
-    def set_error(self, message: str) -> None: ...
+    def skip(self, sync_id: int, consumer: int) -> None: ...
+
+    def consumer_failed(self, sync_id: int, consumer: int, message: str) -> None: ...
+
+    def set_error(self, message: str, sync_id: int | None = None) -> None: ...
 
     def alive(self) -> bool: ...
+
+
+def check_blob_size(blob: torch.Tensor, into: torch.Tensor, what: str) -> None:
+    """Refuse a blob whose length is not the planned one (the producer and the
+    consumer's handshake disagree about what it holds) before it lands anywhere."""
+    if blob.numel() != into.numel():
+        raise ValueError(
+            f"{what}: the producer sent {blob.numel()} bytes, the consumer's plan (from its "
+            f"handshake) expects {into.numel()}"
+        )
 
 
 def forwarded_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -164,8 +179,8 @@ class LoopbackHost:
     def end_sync(self, within_s: float) -> None:
         self.producer.end_sync()
 
-    def set_error(self, message: str) -> None:
-        self.producer.set_error(message)
+    def set_error(self, message: str, sync_id: int | None = None) -> None:
+        self.producer.set_error(message, sync_id)
 
     def close(self) -> None:
         self.producer.set_error("the trainer engine was shut down")
@@ -205,7 +220,8 @@ class LoopbackClient:
     ) -> Pending:
         def run() -> None:
             blob = self.producer.serve(sync_id, consumer, seq, keys, expect)
-            into[: blob.numel()].copy_(blob)
+            check_blob_size(blob, into, f"pull {seq} from {self.name}")
+            into.copy_(blob)
 
         return _FutureResult(self.pool.submit(run))
 
@@ -215,8 +231,14 @@ class LoopbackClient:
     def heartbeat(self, sync_id: int, consumer: int) -> None:
         self.producer.heartbeat(sync_id, consumer)
 
-    def set_error(self, message: str) -> None:
-        self.producer.set_error(message)
+    def skip(self, sync_id: int, consumer: int) -> None:
+        self.producer.skip(sync_id, consumer)
+
+    def consumer_failed(self, sync_id: int, consumer: int, message: str) -> None:
+        self.producer.consumer_failed(sync_id, consumer, message)
+
+    def set_error(self, message: str, sync_id: int | None = None) -> None:
+        self.producer.set_error(message, sync_id)
 
     def alive(self) -> bool:
         with _LOOPBACK_LOCK:
@@ -272,8 +294,8 @@ class ProducerActor:
     def end_sync(self) -> None:
         self.producer.end_sync()
 
-    def set_error(self, message: str) -> None:
-        self.producer.set_error(message)
+    def set_error(self, message: str, sync_id: int | None = None) -> None:
+        self.producer.set_error(message, sync_id)
 
     def reserve(self, consumer: int, nbytes: int) -> None:
         self.producer.reserve(consumer, nbytes)
@@ -283,6 +305,12 @@ class ProducerActor:
 
     def heartbeat(self, sync_id: int, consumer: int) -> None:
         self.producer.heartbeat(sync_id, consumer)
+
+    def skip(self, sync_id: int, consumer: int) -> None:
+        self.producer.skip(sync_id, consumer)
+
+    def consumer_failed(self, sync_id: int, consumer: int, message: str) -> None:
+        self.producer.consumer_failed(sync_id, consumer, message)
 
     def serve(
         self,
@@ -395,10 +423,10 @@ class RayHost:
     def end_sync(self, within_s: float) -> None:
         _ray_get(self.actor.end_sync.remote(), within_s, self.name)
 
-    def set_error(self, message: str) -> None:
+    def set_error(self, message: str, sync_id: int | None = None) -> None:
         import ray
 
-        ray.get(self.actor.set_error.remote(message), timeout=CONTROL_TIMEOUT_S)
+        ray.get(self.actor.set_error.remote(message, sync_id), timeout=CONTROL_TIMEOUT_S)
 
     def close(self) -> None:
         import ray
@@ -417,8 +445,9 @@ class _RayPull:
 
     def result(self, timeout_s: float) -> Any:
         (blob,) = _ray_get(self.ref, timeout_s, self.what)
+        check_blob_size(blob, self.into, self.what)
         if blob.data_ptr() != self.into.data_ptr():  # landed elsewhere: copy it in
-            self.into[: blob.numel()].copy_(blob)
+            self.into.copy_(blob)
         return None
 
 
@@ -479,8 +508,14 @@ class RayClient:
     def heartbeat(self, sync_id: int, consumer: int) -> None:
         self.actor.heartbeat.remote(sync_id, consumer)
 
-    def set_error(self, message: str) -> None:
-        self.actor.set_error.remote(message)
+    def skip(self, sync_id: int, consumer: int) -> None:
+        self.actor.skip.remote(sync_id, consumer)
+
+    def consumer_failed(self, sync_id: int, consumer: int, message: str) -> None:
+        self.actor.consumer_failed.remote(sync_id, consumer, message)
+
+    def set_error(self, message: str, sync_id: int | None = None) -> None:
+        self.actor.set_error.remote(message, sync_id)
 
     def alive(self) -> bool:
         try:

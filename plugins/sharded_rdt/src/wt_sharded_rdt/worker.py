@@ -1,7 +1,10 @@
 """Worker (consumer) side of `sharded_rdt`: pull only the slices this worker keeps.
 
 `init_transfer_engine`: refuse expert-parallel load balancing (it moves
-experts at run time), compute the consumer id, find every producer, run
+experts at run time), compute the consumer id, find every producer and
+check the handshake against what each describes (its rank, its metadata
+field by field, its held names, `verify`: a disagreement is refused naming
+the field, before anything is planned or reserved), run
 the model's loading code once as a dry run over recording tensors (core's
 `record_slices` through the loader's `dry_run`: an op outside the allowlist
 fails here, naming the weight and the op), cut the result into a static plan
@@ -22,6 +25,18 @@ update, never the finish; `drain_pending` (run by `finish_weight_update`)
 waits for the free acknowledgements. A heartbeat to every producer runs for the whole
 sync, so a producer tells a silent consumer from a slow one.
 
+With `verify`, the scatter thread first checks each landed blob against the
+digest rows in its tail (`ConsumerPlan.digests`); a mismatch fails the sync
+naming the parameter, the pull and the producer, and nothing of that pull or
+any later one is written.
+
+Each update is checked before anything is pulled: its `trainer_id` must be
+the handshake's, its `sync_id` newer than the last sync this engine
+finished (recorded at finish, so a refused or failed update never blocks the
+next), its `live_consumers` within the handshake's consumers. A consumer that
+the update leaves out tells the producers (`skip`), which fail the sync at
+once if the trainer's live set has it.
+
 Every wait is bounded: a pull by `stall_timeout_s` plus a grace, a scatter
 by `timeout_s`. Any failure fails the round (core rolls the model back) and
 tells the producers, so the trainer's ranks stop at once.
@@ -39,12 +54,18 @@ from typing import Any
 import torch
 
 from weight_transfer.backend import (
+    PARAM_LIST_FIELDS,
+    BucketDigests,
+    DigestMismatch,
     GroupChannel,
     ParamMeta,
     SliceLoader,
     SliceRecord,
     WeightTransferEngine,
+    describe_chain,
+    param_list_digests,
     record_slices,
+    run_receive_hooks,
 )
 from wt_sharded_rdt.protocol import (
     Chunk,
@@ -54,6 +75,8 @@ from wt_sharded_rdt.protocol import (
     ShardedRDTWorkerInitInfo,
     build_plan,
     chunk_expectation,
+    digests_view,
+    owner_table,
 )
 from wt_sharded_rdt.transport import Pending, ProducerClient, producer_client
 
@@ -116,7 +139,10 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
         self.zero: dict[str, list[str]] = {}
         self.consumer_id = 0
         self.slots: list[torch.Tensor] = []
-        self.last_sync = 0
+        self.digests: BucketDigests | None = None  # the checker of verified blobs
+        self.last_sync = 0  # the last sync this engine finished
+        self._round_sync: int | None = None  # the sync the open round took
+        self._failed: BaseException | None = None  # this sync's first scatter failure
         self.pulled_bytes = 0  # what the last sync moved to this worker
         self._scatter = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="wt-rdt-scatter"
@@ -147,17 +173,21 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
             producer_client(init_info.transport, n, init_info.namespace, init_info.ray_address)
             for n in init_info.producer_names
         ]
+        check_producers(init_info, [client.describe() for client in clients])
         metas = {m.name: m for m in init_info.metas}
         groups = init_info.groups()
         record, zero = bake(self.new_loader(), [[metas[n] for n in names] for names in groups])
         router = Router(init_info.owner_sets, init_info.name_owner_class, init_info.names)
-        plan = build_plan(record, groups, router, consumer_id, init_info.chunk_bytes)
+        plan = build_plan(
+            record, groups, router, consumer_id, init_info.chunk_bytes, init_info.verify
+        )
         for owner, nbytes in plan.bytes_from().items():
             clients[owner].reserve(consumer_id, nbytes)
         self.slots = [
             torch.empty(max(plan.max_chunk_bytes, 1), dtype=torch.uint8, device=self.device)
             for _ in range(init_info.num_rdt_buffers)
         ]
+        self.digests = plan.digests() if init_info.verify else None
         self.info, self.plan, self.zero = init_info, plan, zero
         self.consumer_id, self.last_sync = consumer_id, 0
         self.round_timeout_s = init_info.timeout_s
@@ -172,35 +202,66 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
         """Refuse a round without producers to pull from (a restarted engine): the
         trainer then sends this replica its handshake again and starts over."""
         self.channel.require()
+        self._round_sync = None
 
     def receive_weights(self, update_info: ShardedRDTUpdateInfo) -> None:
         info, plan = self.info, self.plan
         if info is None or plan is None:
             raise RuntimeError("update_weights before init_weight_transfer_engine")
-        self.channel.check_holder(update_info.trainer_id)
-        sync_id = update_info.sync_id
-        if sync_id <= self.last_sync:
-            raise ValueError(
-                f"update_info: field 'sync_id' is {sync_id}, but sync {self.last_sync} already "
-                "ran here (a stale or replayed update)"
+        producers = self.channel.require().clients
+        try:
+            self._check_update(update_info, info)
+        except ValueError as error:  # the sync cannot complete here: end it everywhere now
+            self._tell_producers(
+                producers,
+                f"consumer {self.consumer_id} refused its update: {error}",
+                max(update_info.sync_id, self.last_sync + 1),  # the sync it ends
             )
-        self.last_sync = sync_id
+            raise
+        sync_id = self._round_sync = update_info.sync_id
         live = update_info.live_consumers
         if live and self.consumer_id not in live:
             logger.warning(
                 "consumer %d is not live in sync %d: keeping its weights", self.consumer_id, sync_id
             )
+            for producer in producers:
+                producer.skip(sync_id, self.consumer_id)
             return
-        producers = self.channel.require().clients
-        self._scatters, self._frees = [], []
+        self._scatters, self._frees, self._failed = [], [], None
         self._start_heartbeat(producers, sync_id, info.peer_timeout_s / 4)
         try:
             self._pull_all(producers, plan, sync_id, info)
         except BaseException as error:
             self._tell_producers(
-                producers, f"consumer {self.consumer_id} failed sync {sync_id}: {error}"
+                producers, f"consumer {self.consumer_id} failed sync {sync_id}: {error}", sync_id
             )
             raise
+
+    def _check_update(self, update: ShardedRDTUpdateInfo, info: ShardedRDTWorkerInitInfo) -> None:
+        """Refuse, naming the field, an update that is not this engine's next sync:
+        `ValueError`, or `ChannelDownError` for a trainer that no longer holds it."""
+        self.channel.check_holder(update.trainer_id)
+        if update.trainer_id != self.channel.holder:
+            raise ValueError(
+                f"update_info: field 'trainer_id' is {update.trainer_id!r}, but this engine "
+                f"serves trainer {self.channel.holder!r}"
+            )
+        if update.sync_id <= self.last_sync:
+            raise ValueError(
+                f"update_info: field 'sync_id' is {update.sync_id}, but sync {self.last_sync} "
+                "already ran here (a stale or replayed update)"
+            )
+        if self._round_sync is not None:
+            raise ValueError(
+                f"update_info: this round already took sync {self._round_sync} (field "
+                f"'sync_id' is {update.sync_id}); a round carries one update"
+            )
+        beyond = [c for c in update.live_consumers if c >= info.num_consumers]
+        if beyond:
+            raise ValueError(
+                f"update_info: field 'live_consumers' names consumer {beyond[0]}, but the "
+                f"handshake has {info.num_consumers} consumers"
+            )
 
     def _pull_all(
         self,
@@ -216,6 +277,8 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
         in_flight: deque[tuple[Chunk, Pending]] = deque()
         self.pulled_bytes = 0
         for chunk in plan.chunks:
+            if self._failed is not None:
+                raise self._failed  # nothing more is pulled once a scatter failed
             if len(in_flight) == depth:
                 self._land(*in_flight.popleft(), producers, plan, sync_id, slot_user)
             slot = chunk.index % depth
@@ -266,20 +329,49 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
             ) from error
         self.pulled_bytes += chunk.nbytes
         slot = chunk.index % len(self.slots)
-        future = self._scatter.submit(self._apply, chunk, self.slots[slot])
+        run_receive_hooks(chunk.index, self.slots[slot][: chunk.nbytes])
+        future = self._scatter.submit(self._apply, chunk, self.slots[slot], producer.name)
         slot_user[slot] = future
         self._scatters.append(future)
         for group in chunk.frees:
             self._free(producers, plan, sync_id, group)
 
-    def _apply(self, chunk: Chunk, buffer: torch.Tensor) -> None:
+    def _apply(self, chunk: Chunk, buffer: torch.Tensor, producer: str) -> None:
+        """Check (verify) and scatter one landed pull; after a failure, write nothing."""
+        if self._failed is not None:
+            return
         try:
+            if self.digests is not None:
+                self._verify(chunk, buffer, producer)
             self._scatter_chunk(chunk, buffer)
+        except DigestMismatch as error:
+            self._failed = error
+            raise
         except Exception as error:
-            raise RuntimeError(
+            self._failed = RuntimeError(
                 f"consumer {self.consumer_id}: scattering pull {chunk.index} (group "
                 f"{chunk.group}) failed: {type(error).__name__}: {error}"
-            ) from error
+            )
+            raise self._failed from error
+
+    def _verify(self, chunk: Chunk, buffer: torch.Tensor, producer: str) -> None:
+        """Raise `DigestMismatch` naming the first slice of `chunk` whose bytes in
+        `buffer` differ from the digests the producer wrote after them."""
+        assert self.digests is not None
+        expected = digests_view(buffer, chunk.layout)
+        mine = self.digests.of(chunk.index, buffer)
+        if torch.equal(mine, expected):
+            return
+        j = int((mine != expected).any(dim=1).nonzero()[0, 0])
+        name, chain = chunk.keys[j]
+        raise DigestMismatch(
+            f"verify: consumer {self.consumer_id}: pull {chunk.index} (group {chunk.group}) "
+            f"from {producer}: the slice of {name!r} ({describe_chain(chain)}) arrived "
+            f"different from what the producer sent (digest {mine[j].tolist()} != "
+            f"{expected[j].tolist()}); nothing of this pull was loaded",
+            bucket=chunk.index,
+            param=name,
+        )
 
     def _scatter_chunk(self, chunk: Chunk, buffer: torch.Tensor) -> None:
         loader = self.loader
@@ -324,10 +416,14 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
             self._stop_heartbeat()
 
     def finish_weight_update(self) -> None:
-        """Nothing beyond `drain_pending` and core's commit."""
+        """Record the sync as run here (`drain_pending` and core's commit do the rest)."""
+        if self._round_sync is not None:
+            self.last_sync = self._round_sync
+        self._round_sync = None
 
     def abort_weight_update(self) -> None:
         """Let scatters in flight end (bounded) before core restores the model."""
+        self._round_sync = None
         self._stop_heartbeat()
         scatters, self._scatters = self._scatters, []
         self._frees = []
@@ -354,13 +450,52 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
             self._beat.set()
             self._beat = None
 
-    def _tell_producers(self, producers: list[ProducerClient], message: str) -> None:
+    def _tell_producers(self, producers: list[ProducerClient], message: str, sync_id: int) -> None:
+        """Fail sync `sync_id` at every producer (`Producer.consumer_failed`)."""
         for producer in producers:
             with contextlib.suppress(Exception):
-                producer.set_error(message)
+                producer.consumer_failed(sync_id, self.consumer_id, message)
 
     def shutdown(self) -> None:
         self._stop_heartbeat()
         self.channel.close()
         self.slots = []
         self.plan = None
+        self.digests = None
+
+
+def check_producers(info: ShardedRDTWorkerInitInfo, described: list[dict[str, Any]]) -> None:
+    """Refuse a handshake that disagrees with what its producers describe, naming the
+    field: producer `i` must be rank `i`, hold the same metadata (digest per field of
+    `PARAM_LIST_FIELDS`), hold the names the owner tables say, and agree on `verify`.
+    Without this a consumer would plan pulls of sizes the producers do not serve."""
+    mine = param_list_digests({name: getattr(info, name) for name in PARAM_LIST_FIELDS})
+    for i, (name, producer) in enumerate(zip(info.producer_names, described, strict=True)):
+        if producer["rank"] != i:
+            raise ValueError(
+                f"init_info: field 'producer_names[{i}]' is {name!r}, which is trainer rank "
+                f"{producer['rank']}'s producer"
+            )
+        for field, want, got in zip(
+            PARAM_LIST_FIELDS, producer["param_digests"], mine, strict=True
+        ):
+            if want != got:
+                raise ValueError(
+                    f"init_info: field {field!r} disagrees with the metadata producer {name!r} "
+                    "serves (the handshake is not this trainer's)"
+                )
+        if bool(producer["verify"]) != info.verify:
+            raise ValueError(
+                f"init_info: field 'verify' is {info.verify}, producer {name!r} serves with "
+                f"verify={bool(producer['verify'])}"
+            )
+    try:
+        owner_sets, classes = owner_table(info.names, [p["held"] for p in described])
+    except ValueError as error:
+        raise ValueError(f"init_info: field 'producer_names': {error}") from None
+    if owner_sets != [list(owners) for owners in info.owner_sets]:
+        raise ValueError("init_info: field 'owner_sets' disagrees with what the producers hold")
+    if classes != list(info.name_owner_class):
+        raise ValueError(
+            "init_info: field 'name_owner_class' disagrees with what the producers hold"
+        )

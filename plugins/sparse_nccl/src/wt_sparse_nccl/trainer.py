@@ -15,20 +15,28 @@ are checked (`check_patches`) before anything is sent; a bad one raises
 `ValueError` naming it. On a transmission error the real error is raised at
 once (a worker's own refusal in preference to the broken send it caused); the
 engine never waits on the workers' `update_weights` call otherwise. If the
-group may be out of step after a failure, it is torn down and later sends
-raise until `trainer_init` runs again.
+group may be out of step after a failure, it is torn down; the next round
+(`send_weights`, `begin`) re-forms it first (`reconnect`), as it does when a
+worker refuses a start for want of a group (a restarted worker, one whose
+group a failed round tore down). After `shutdown` every send raises.
+
+With `verify=True` every wire group is followed by the digests of its members
+(`BucketDigests`), which each worker checks before it applies anything.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from weight_transfer.backend import (
     AlignedFailure,
+    BucketDigests,
+    ChannelDownError,
     GroupChannel,
     GroupTrainerFields,
     StatelessGroup,
@@ -45,32 +53,42 @@ from weight_transfer.backend import (
     work_future,
 )
 from wt_sparse_nccl.patch import SparseWeightPatch, check_patches
-from wt_sparse_nccl.wire import SparseNCCLInitInfo, pack_group, update_info_of, wire_groups
+from wt_sparse_nccl.wire import (
+    BatchHeader,
+    SparseNCCLInitInfo,
+    digest_plan,
+    pack_group,
+    update_info_of,
+    wire_groups,
+)
 
 __all__ = ["SparseNCCLTrainerInitInfo", "SparseNCCLTrainerEngine"]
 
 BACKEND = "sparse_nccl"
 
+logger = logging.getLogger("weight_transfer")
+
 
 @dataclass
 class SparseNCCLTrainerInitInfo(TrainerInitInfo, GroupTrainerFields):
     """Where rank 0 hosts the group, its size (1 + workers), its wait bound and
-    device (see `GroupTrainerFields`); the device type must match the workers'."""
+    device (see `GroupTrainerFields`); the device type must match the workers'.
+    `verify`: every batch carries digests of its bytes, checked by the workers."""
 
     backend: ClassVar[str] = BACKEND
+    verify: bool = field(default=False, kw_only=True)
 
 
 @dataclass
 class _Batch:
-    """One checked, packed batch: its update info and its broadcasts in wire order."""
+    """One checked, packed batch: its update info, its broadcasts in wire order
+    (header, then each wire group's bytes and, with verify, digests) and the
+    bytes of its wire groups (what the hooks report)."""
 
     payload: dict[str, Any]
-    buffers: list[torch.Tensor]
+    broadcasts: list[torch.Tensor]
     num_patches: int
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
+    nbytes: int
 
 
 class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitInfo]):
@@ -88,9 +106,10 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
         super().__init__(client=client, source=None, is_sender=is_sender, timeout_s=info.timeout_s)
         self.info = info
         self.channel: GroupChannel[StatelessGroup] = GroupChannel(
-            BACKEND, remedy="run trainer_init again"
+            BACKEND, remedy="the next round re-forms it (send_weights or begin)"
         )
         self._round: TrainerRound | None = None
+        self._shut_down = False
 
     @classmethod
     def trainer_init(
@@ -109,11 +128,25 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
             )
         engine = cls(client=client, is_sender=init_info.is_sender, info=init_info)
         if engine.is_sender:
-            worker_info = SparseNCCLInitInfo(**init_info.worker_group_fields(engine.trainer_id))
-            engine.channel.connect(
-                trainer_rendezvous(engine.client, payload_of(worker_info), init_info)
-            )
+            engine.connect()
         return engine
+
+    def connect(self) -> None:
+        """Host the group's rendezvous while every worker joins (their init runs concurrently)."""
+        fields = self.info.worker_group_fields(self.trainer_id)
+        worker_info = SparseNCCLInitInfo(**fields, verify=self.info.verify)
+        self.channel.connect(trainer_rendezvous(self.client, payload_of(worker_info), self.info))
+
+    def reconnect(self) -> None:
+        """Re-form the group with every worker (at a round boundary), on the same port.
+
+        A restarted worker rejoins with the weights it loaded itself: patches
+        are deltas, so the rounds it missed are not replayed.
+        """
+        if self._shut_down:
+            self.channel.require()  # raises: it was shut down
+        self.channel.close("it is being re-formed")
+        self.connect()
 
     # -- rounds ----------------------------------------------------------
     def send_weights(
@@ -129,6 +162,7 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
             raise RuntimeError(
                 "send_weights called between begin() and end(); use send_weight_chunk"
             )
+        self._ready()
         batch = self._prepare(list(patches))  # before start: a failure leaves no open round
         round_ = self.open_round(
             num_params=batch.num_patches, total_bytes=batch.nbytes, num_chunks=1
@@ -142,7 +176,7 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
             return
         if self._round is not None:
             raise RuntimeError("begin() called twice without end()")
-        self.channel.require()
+        self._ready()
         self._round = self.open_round(num_params=0, total_bytes=0, num_chunks=0)
 
     def send_weight_chunk(self, patches: Sequence[SparseWeightPatch] | None = None) -> None:
@@ -183,37 +217,57 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
         current.finish(weight_version)
 
     def shutdown(self) -> None:
+        self._shut_down = True
         self.channel.close()
 
     # -- internals -------------------------------------------------------
+    def _ready(self) -> None:
+        """Before a round: re-form a group that a failed round tore down (not one shut down)."""
+        try:
+            self.channel.require()
+        except ChannelDownError as down:
+            if self._shut_down:
+                raise
+            logger.warning("%s: re-forming the group before the round (%s)", BACKEND, down)
+            self.reconnect()
+
     def _prepare(self, patches: list[SparseWeightPatch]) -> _Batch:
-        """Check and pack `patches`; raises `ValueError` naming a bad patch."""
+        """Check and pack `patches` with their header (and digests); raises
+        `ValueError` naming a bad patch."""
         check_patches(patches)
-        group = self.channel.require()
+        device = self.channel.require().device
         info = update_info_of(patches)
-        buffers = [pack_group(g, patches, group.device) for g in wire_groups(info)]
+        groups = wire_groups(info, aligned=self.info.verify)
+        data = [pack_group(g, patches, device) for g in groups]
+        broadcasts = [BatchHeader.of(info, groups).tensor(device)]
+        digests = BucketDigests(digest_plan(info, groups)) if self.info.verify else None
+        for k, buffer in enumerate(data):
+            broadcasts.append(buffer)
+            if digests is not None:
+                broadcasts.append(digests.of(k, buffer))
         payload = {**payload_of(info), "trainer_id": self.trainer_id}
-        return _Batch(payload, buffers, len(patches))
+        return _Batch(payload, broadcasts, len(patches), sum(b.numel() for b in data))
 
     def _transmit(self, batch: _Batch, transfer: Transfer) -> None:
-        """Broadcast the batch's buffers in order.
+        """Broadcast the batch in wire order.
 
         The group is kept after a failure only when every broadcast completed,
         so both sides stay in step (a worker that refused the batch after
-        receiving it whole).
+        receiving it whole: gloo completes a send only once it was received).
         """
         with self.channel.on_wire("a sparse batch") as group:
             pending = None
             started = 0
+            total = len(batch.broadcasts)
             try:
-                for i, buffer in enumerate(batch.buffers):
-                    what = f"broadcast {i + 1}/{len(batch.buffers)} of a sparse batch"
-                    pending = work_future(group.broadcast(buffer), what)
+                for i, tensor in enumerate(batch.broadcasts):
+                    what = f"broadcast {i + 1}/{total} of a sparse batch"
+                    pending = work_future(group.broadcast(tensor), what)
                     started += 1
                     transfer.wait(pending, what)
                     pending = None
                 transfer.chunk_moved(batch.nbytes)
             except Exception as error:
-                if started == len(batch.buffers) and (pending is None or all_settle([pending])):
+                if started == total and (pending is None or all_settle([pending])):
                     raise AlignedFailure(error) from error
                 raise

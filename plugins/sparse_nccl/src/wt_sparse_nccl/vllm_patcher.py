@@ -26,6 +26,12 @@ inside vLLM, works on a mirror of the checkpoint instead:
 - `abort` restores the mirror; the model is not changed before `commit`, so it
   keeps serving its previous weights throughout a round (unlike a dense round,
   it is not on the meta device until `commit`).
+- `commit(keep_undo=True)` (core's `Revertible`, for an all-or-nothing fleet
+  round) commits with the reload's loader kept revertible (its snapshot) and
+  keeps the undo log; `revert()` restores the model from that snapshot (what
+  it served before the round, exactly) and the mirror from the log;
+  `release()` drops both. The mirror's holder (`CheckpointMirror.held`) is
+  released before another round writes into the mirror.
 
 Layer groups are core's `layerwise_groups` over the checkpoint names, ordered
 so each layer's names are contiguous: one group per numbered layer (all of
@@ -65,6 +71,7 @@ from typing import Any
 import torch
 
 from weight_transfer.backend import (
+    Revertible,
     is_vllm_config,
     layer_key,
     layerwise_groups,
@@ -184,7 +191,8 @@ class CheckpointMirror:
         self.groups = layerwise_groups(sorted(self.entries, key=_group_order))
         self.group_of = {name: i for i, names in enumerate(self.groups) for name in names}
         self.tensors: dict[str, torch.Tensor] = {}
-        self.owner: MirrorPatcher | None = None
+        self.owner: MirrorPatcher | None = None  # the patcher whose round is open
+        self.held: MirrorPatcher | None = None  # the patcher holding a committed round
 
     @property
     def nbytes(self) -> int:
@@ -265,15 +273,28 @@ def mirror_of(model: torch.nn.Module, vllm_config: Any) -> CheckpointMirror:
     return mirror
 
 
+_UndoLog = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class _HeldRound:
+    """A committed round kept for `revert`: the mirror's undo log, and the reload's
+    loader holding its snapshot (None when the round touched no group)."""
+
+    undo: _UndoLog
+    loader: Revertible | None
+
+
 class MirrorPatcher:
-    """The `SparsePatcher` for a model inside vLLM; see the module docstring."""
+    """The `SparsePatcher` (and `Revertible`) for a model inside vLLM; see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any) -> None:
         self.model = model
         self.vllm_config = vllm_config
         self.mirror: CheckpointMirror | None = None
-        self._undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._undo: _UndoLog | None = None
         self._touched: set[int] = set()
+        self._held: _HeldRound | None = None
 
     def begin(self) -> None:
         mirror = mirror_of(self.model, self.vllm_config)
@@ -312,6 +333,8 @@ class MirrorPatcher:
     def apply(self, patch: Any) -> None:
         mirror = self._open("apply")
         assert self._undo is not None
+        if mirror.held is not None and mirror.held is not self:
+            mirror.held.release()  # its log would restore values this round overwrites
         flat = mirror.tensor(patch.name).view(-1)
         index = patch.indices.to(device=flat.device, dtype=torch.int64)
         old = flat.index_select(0, index)
@@ -319,49 +342,92 @@ class MirrorPatcher:
         flat.index_copy_(0, index, patch.values.to(flat.device))
         self._touched.add(mirror.group_of[patch.name])
 
-    def commit(self) -> None:
-        if self._undo is None:
+    def commit(self, keep_undo: bool = False) -> None:
+        """Reload the touched groups from the mirror; with `keep_undo`, hold the
+        round for `revert` (the reload's snapshot and the undo log)."""
+        undo = self._undo
+        if undo is None:
             return
         try:
-            if self._touched:
-                self._reload(sorted(self._touched))
+            loader = self._reload(sorted(self._touched), keep_undo) if self._touched else None
         except BaseException:
-            self._restore()
+            _restore(undo)
             raise
         finally:
             self._end()
+        if keep_undo:
+            self._held = _HeldRound(undo, loader)
+            assert self.mirror is not None
+            self.mirror.held = self
 
     def abort(self) -> None:
         if self._undo is None:
             return
         try:
-            self._restore()
+            _restore(self._undo)
         finally:
             self._end()
 
-    def _reload(self, groups: list[int]) -> None:
+    def revert(self) -> None:
+        """The model serves what it served before the held round; the mirror holds it again."""
+        held, self._held = self._held, None
+        if held is None:
+            raise RuntimeError("MirrorPatcher.revert: no committed round was kept (keep_undo)")
+        self._unhold()
+        try:
+            if held.loader is not None:
+                held.loader.revert()
+        finally:
+            _restore(held.undo)
+
+    def release(self) -> None:
+        held, self._held = self._held, None
+        self._unhold()
+        if held is not None and held.loader is not None:
+            held.loader.release()
+
+    def _unhold(self) -> None:
+        if self.mirror is not None and self.mirror.held is self:
+            self.mirror.held = None
+
+    def _reload(self, groups: list[int], keep_undo: bool) -> Revertible | None:
+        """Reload `groups` from the mirror; the loader, kept revertible, if `keep_undo`."""
         mirror = self._open("commit")
         loader = loader_for(self.model, self.vllm_config)
+        if keep_undo and not isinstance(loader, Revertible):
+            raise TypeError(
+                f"sparse_nccl: the model's loader ({type(loader).__name__}) cannot revert a "
+                "committed reload, so this round cannot be held for a fleet"
+            )
+        kept: Revertible | None = None
         loader.begin()
         try:
             for index in groups:
                 loader.load([(name, t.clone()) for name, t in mirror.group(index)])
             with quiet_reload_warnings():  # untouched layers: reloaded on purpose
-                loader.commit()
+                if keep_undo:
+                    assert isinstance(loader, Revertible)
+                    loader.commit(keep_undo=True)
+                    kept = loader
+                else:
+                    loader.commit()
         except BaseException:
             loader.abort()
             raise
-
-    @torch.no_grad()
-    def _restore(self) -> None:
-        for flat, index, old in reversed(self._undo or []):
-            flat.index_copy_(0, index, old)
+        return kept
 
     def _end(self) -> None:
         self._undo = None
         self._touched = set()
         if self.mirror is not None and self.mirror.owner is self:
             self.mirror.owner = None
+
+
+@torch.no_grad()
+def _restore(undo: _UndoLog) -> None:
+    """Write the logged old values back into the mirror, newest first."""
+    for flat, index, old in reversed(undo):
+        flat.index_copy_(0, index, old)
 
 
 def vllm_patcher(model: torch.nn.Module, vllm_config: Any) -> MirrorPatcher | None:
