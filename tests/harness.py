@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tests.counting import HostSyncs
 from weight_transfer.control import SEAL_FIELD
 
 AUTHKEY = b"wt-tests"
@@ -150,6 +151,7 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
         return
     session = WorkerSession(engine)
     lock = threading.Lock()
+    counters: list[HostSyncs] = []
     listener = Listener(("127.0.0.1", 0), authkey=AUTHKEY)
     ready.send(("ok", listener.address))
 
@@ -173,6 +175,11 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
         if method == "corrupt":
             corrupt_received(*args)
             return None
+        if method == "count_host_syncs":  # start counting, on every thread of the worker
+            counters.append(HostSyncs().start())
+            return None
+        if method == "host_syncs":  # stop counting; what was counted, per method
+            return dict(counters.pop().stop().counts)
         return getattr(session, method)(*args, **kwargs)
 
     def handle(conn: Connection) -> None:

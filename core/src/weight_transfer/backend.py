@@ -9,8 +9,9 @@ Trainer side
     `TrainerInitInfo`, `TrainerWeightTransferEngine` (the spec's ABC, whose
     `open_round` drives a round), `ResyncTrainerEngine` (full resync: supply
     `transmit`), `Transfer`, `TrainerRound`, `RoundClient`, `AlignedFailure`,
-    `checked_iteration`, `all_finite`, `track_sync` / `SyncTracker` (for rounds driven by
-    hand), `trainer_device` (a trainer init info's default device).
+    `checked_iteration`, `all_finite`, `first_non_finite` (batched, one host read),
+    `track_sync` / `SyncTracker` (for rounds driven by hand), `trainer_device` (a
+    trainer init info's default device).
 
 Worker side
     `WeightTransferEngine` (the transaction lives in its base class, which
@@ -123,6 +124,7 @@ from weight_transfer.source import (
     WeightSource,
     all_finite,
     checked_iteration,
+    first_non_finite,
     layer_key,
     layerwise_groups,
 )
@@ -207,6 +209,7 @@ __all__ = [
     "ParamMeta",
     "checked_iteration",
     "all_finite",
+    "first_non_finite",
     "layerwise_groups",
     "layer_key",
     "track_sync",

@@ -15,7 +15,8 @@ rest on every rank:
    moves the bytes; `pairs` is the source's iteration checked against its
    metadata (`checked_iteration`: the first disagreement raises naming the
    parameter before it reaches the wire), and, while `check_finite` (the
-   default), refuses a floating tensor holding NaN or infinity;
+   default), refuses a floating tensor holding NaN or infinity (per tensor, or
+   per bucket in `transmit` where `finite_per_bucket`);
 4. the workers' answer, then `finish_weight_update(weight_version)`.
 
 `ParamListUpdateInfo` is the per-round update info most full-resync backends
@@ -30,7 +31,7 @@ import logging
 from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -123,6 +124,12 @@ class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):
     re-reads the same source every round.
     """
 
+    #: True for a backend whose `transmit` runs the finite check itself while
+    #: `check_finite`, batched per bucket (`Packer(finite=...)`, one host read a
+    #: bucket); its `pairs` are then checked for names, dtypes and shapes only.
+    #: False: the iteration checks each tensor (one host read a tensor).
+    finite_per_bucket: ClassVar[bool] = False
+
     def __init__(
         self,
         *,
@@ -169,7 +176,11 @@ class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):
         round_.update(
             self.update_info(metas),
             lambda transfer: self.transmit(
-                metas, checked_iteration(metas, source, finite=self.check_finite), transfer
+                metas,
+                checked_iteration(
+                    metas, source, finite=self.check_finite and not self.finite_per_bucket
+                ),
+                transfer,
             ),
         )
         round_.finish(weight_version)

@@ -15,8 +15,9 @@ Contract of a `WeightSource` (every backend may rely on it):
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,8 @@ __all__ = [
     "materialize_full_tensor",
     "checked_iteration",
     "all_finite",
+    "first_non_finite",
+    "non_finite_error",
     "layer_key",
 ]
 
@@ -206,12 +209,45 @@ def _describe(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> str:
 _FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def first_non_finite(tensors: Sequence[torch.Tensor]) -> int | None:
+    """The index of the first floating tensor of `tensors` holding a NaN or an
+    infinity, or None when every one is finite.
+
+    Batched: one max-abs reduction per dtype over all of them
+    (`torch._foreach_norm`, ord inf, which is finite exactly when the tensor is),
+    and the host reads a single flag, whatever the number of tensors. Only when
+    that flag is set are the reductions read one by one to find the first.
+    """
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        if tensor.dtype in _FINITE_CHECKED and tensor.numel() > 0:
+            by_dtype.setdefault(tensor.dtype, []).append(i)
+    if not by_dtype:
+        return None
+    order = [i for members in by_dtype.values() for i in members]
+    maxima = [
+        torch.stack(torch._foreach_norm([tensors[i] for i in members], math.inf))
+        for members in by_dtype.values()
+    ]
+    finite = torch.isfinite(maxima[0] if len(maxima) == 1 else torch.cat(maxima))
+    if bool(finite.all()):
+        return None
+    bad = (~finite).nonzero().flatten().tolist()
+    return min(order[b] for b in bad)
+
+
 def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN and no infinity in a floating `tensor` (one read pass, no copy)."""
-    if tensor.dtype not in _FINITE_CHECKED or tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor.detach())
-    return bool(torch.isfinite(low) and torch.isfinite(high))
+    """No NaN and no infinity in a floating `tensor` (one read pass, no copy, one host read)."""
+    return first_non_finite([tensor]) is None
+
+
+def non_finite_error(name: str, index: int) -> ValueError:
+    """The refusal of parameter #`index`, `name`, for NaN or infinite values."""
+    return ValueError(
+        f"WeightSource yielded non-finite values (NaN or infinity) in {name!r} "
+        f"(parameter #{index}); nothing of it was sent (set check_finite=False on the "
+        "trainer engine to send such weights)"
+    )
 
 
 def checked_iteration(
@@ -248,11 +284,7 @@ def checked_iteration(
                 f"metadata() declares {_describe(meta.name, meta.dtype, meta.shape)}"
             )
         if finite and not all_finite(tensor):
-            raise ValueError(
-                f"WeightSource yielded non-finite values (NaN or infinity) in {meta.name!r} "
-                f"(parameter #{i}); nothing of it was sent (set check_finite=False on the "
-                "trainer engine to send such weights)"
-            )
+            raise non_finite_error(meta.name, i)
         yield meta, tensor
     extra = next(it, None)
     if extra is not None:

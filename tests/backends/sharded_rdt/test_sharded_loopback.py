@@ -8,6 +8,7 @@ the ordinary way (`models.reference`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -19,12 +20,15 @@ import torch
 
 from tests.backends.sharded_rdt.models import (
     EXPERTS,
+    ShardedModel,
     UnsupportedModel,
     checkpoint,
     held_part,
     reference,
 )
+from tests.counting import HostSyncs
 from tests.sources import DictSource
+from weight_transfer import layerwise_groups
 from weight_transfer.control import with_control_key
 from weight_transfer.transport.digest import RECEIVE_HOOKS
 from wt_sharded_rdt.protocol import ShardedRDTUpdateInfo
@@ -537,3 +541,27 @@ def test_a_handshake_that_disagrees_with_the_producers_is_refused(
         s.assert_serving(3)
     finally:
         trainer.shutdown()
+
+
+@pytest.mark.parametrize("layers", [100, 800])  # 1,102 and 8,802 tensors
+def test_a_warm_sync_costs_host_syncs_per_group_not_per_tensor(shards: Any, layers: int) -> None:
+    """One warm sync, trainer and consumer in this process: the host syncs on every
+    thread stay at most 2 per gather group and side, whatever the tensor count."""
+    s = shards(1, model_cls=functools.partial(ShardedModel, layers=layers))
+    source = HeldSource(checkpoint(1, layers))
+    trainer = s.trainer(source)
+    try:
+        trainer.send_weights()  # cold: the recording of the loaders, plans
+        source.tensors = checkpoint(2, layers)
+        with HostSyncs() as syncs:
+            trainer.send_weights()
+        s.wait_closed()
+    finally:
+        trainer.shutdown()
+    want = reference(2, 0, 1, layers)
+    for name, got in s.models[0].state_dict().items():
+        assert torch.equal(got, want[name]), name
+    groups = len(layerwise_groups(list(source.tensors)))
+    assert syncs.total <= 2 * 2 * groups, (
+        f"{len(source.tensors)} tensors in {groups} groups: {dict(syncs.counts)} host syncs"
+    )

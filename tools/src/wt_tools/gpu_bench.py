@@ -65,9 +65,9 @@ def _layout_case(name: str, layout: Any, repeats: int) -> dict[str, Any]:
             dst.copy_(src)
 
     def pack() -> None:
-        packer = Packer(checked_iteration(metas, source, finite=True))
-        for k, bucket in enumerate(plan.buckets):
-            packer.pack(bucket, buffers.get(k % 2, bucket.nbytes))
+        packer = Packer(plan, checked_iteration(metas, source), finite=True)
+        for k in range(len(plan.buckets)):
+            packer.pack(k, buffers)
         packer.exhaust()
 
     row: dict[str, Any] = {

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from weight_transfer import ParamMeta, WeightSource
-from weight_transfer.backend import RotatingBuffers
+from weight_transfer.backend import PlanCache, RotatingBuffers, WireParams
 from wt_tools.workers import LayoutEntry, WorkerProcesses, checksum, peak_rss_bytes, reset_peak_rss
 
 __all__ = ["Scenario", "dense_layout", "moe_layout", "run_scenario", "scenarios_for"]
@@ -180,16 +180,17 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _trainer_dry_pass(source: WeightSource, buffers: Any) -> None:
+def _trainer_dry_pass(source: WeightSource, buffers: Any, plans: Any) -> None:
     """What the nccl trainer does per round without the wire: checked iteration + packing
-    into `buffers` (a `RotatingBuffers` reused round after round, as the engine's are)."""
-    from weight_transfer.backend import Packer, WireParams, checked_iteration
+    into `buffers` (a `RotatingBuffers` reused round after round, as the engine's are),
+    by the layout `plans` (a `PlanCache`) keeps."""
+    from weight_transfer.backend import Packer, checked_iteration
 
     metas = source.metadata()
-    plan = WireParams().packed_plan(metas)
-    packer = Packer(checked_iteration(metas, source, finite=True))
-    for k, bucket in enumerate(plan.buckets):
-        packer.pack(bucket, buffers.get(k % 2, bucket.nbytes))
+    plan = plans(metas)
+    packer = Packer(plan, checked_iteration(metas, source), finite=True)
+    for k in range(len(plan.buckets)):
+        packer.pack(k, buffers)
     packer.exhaust()
 
 
@@ -293,6 +294,7 @@ def run_scenario(sc: Scenario, log: Callable[[str], None] = print) -> dict[str, 
     flat = [t for t in targets[0].values()]
     copies = [torch.empty_like(t) for t in flat]
     dry_buffers = RotatingBuffers(2, "cpu")
+    dry_plans = PlanCache(WireParams().packed_plan)
 
     def memcpy() -> None:
         threads = torch.get_num_threads()
@@ -323,7 +325,7 @@ def run_scenario(sc: Scenario, log: Callable[[str], None] = print) -> dict[str, 
             refs["memcpy"].append(_timed(memcpy))
             refs["bare broadcast"].append(_timed(bare))
             refs["trainer dry pass"].append(
-                _timed(functools.partial(_trainer_dry_pass, source, dry_buffers))
+                _timed(functools.partial(_trainer_dry_pass, source, dry_buffers, dry_plans))
             )
             for mode in modes:
                 base_trainer = reset_peak_rss()

@@ -19,7 +19,8 @@ while `group_end` still follows the layers, so the view rule below holds.
 
 `WireParams` are the must-agree parameters of a bucketed wire (mixed into a
 backend's init infos); `Packer` copies consecutive buckets out of a checked
-source iteration; `Unpacker` turns received buckets back into tensors.
+source iteration, a batched copy and at most one host read per bucket;
+`Unpacker` turns received buckets back into tensors.
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ from typing import Any
 import torch
 
 from weight_transfer.limits import MAX_BUFFERS, check_int_range, check_staging, host_memory_bytes
-from weight_transfer.source import ParamMeta, layerwise_groups
+from weight_transfer.source import (
+    ParamMeta,
+    first_non_finite,
+    layerwise_groups,
+    non_finite_error,
+)
 
 __all__ = [
     "ALIGNMENT",
@@ -42,6 +48,7 @@ __all__ = [
     "plan_per_tensor",
     "aligned_layout",
     "as_bytes",
+    "piece_view",
     "WireParams",
     "PlanCache",
     "Packer",
@@ -295,22 +302,71 @@ class PlanCache:
 
 
 class Packer:
-    """Copies the pieces of consecutive buckets out of checked `(meta, tensor)` pairs."""
+    """Copies the buckets of `plan`, in order, out of checked `(meta, tensor)` pairs.
 
-    def __init__(self, pairs: Iterator[tuple[ParamMeta, torch.Tensor]]) -> None:
+    Per bucket, whatever its number of parameters: one batched copy
+    (`torch._foreach_copy_`) into views of its buffer that `RotatingBuffers.views`
+    made once, and with `finite`, one batched finite check of what was copied,
+    whose result the host reads once (`first_non_finite`). The refusal names the
+    first non-finite parameter; nothing of its bucket has gone out. A parameter
+    split across buckets is checked whole at its first piece, and copied piece by
+    piece as bytes.
+    """
+
+    def __init__(
+        self,
+        plan: BucketPlan,
+        pairs: Iterator[tuple[ParamMeta, torch.Tensor]],
+        *,
+        finite: bool = False,
+    ) -> None:
+        self.plan = plan
         self.pairs = pairs
-        self.current: torch.Tensor | None = None  # bytes of the parameter being packed
+        self.finite = finite
+        self.current: torch.Tensor | None = None  # bytes of the split parameter being packed
 
-    def pack(self, bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
-        """Fill `out` (at least `bucket.nbytes` long) with `bucket`'s pieces; returns `out`."""
-        for piece in bucket.pieces:
-            if piece.start == 0:
-                self.current = as_bytes(next(self.pairs)[1])
+    def pack(self, k: int, buffers: RotatingBuffers) -> torch.Tensor:
+        """Fill bucket `k`'s buffer with its pieces; returns its `nbytes` bytes."""
+        bucket = self.plan.buckets[k]
+        out = buffers.get(k, bucket.nbytes)
+        views = buffers.views(self.plan, k)
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        checked: list[torch.Tensor] = []  # in piece order: what `finite` checks
+        checked_params: list[int] = []
+        for piece, view in zip(bucket.pieces, views, strict=True):
+            whole = piece.nbytes == self.plan.params[piece.param].nbytes
+            if whole or piece.start == 0:
+                tensor = next(self.pairs)[1]
+                if self.finite:
+                    checked.append(view if whole else tensor)
+                    checked_params.append(piece.param)
+                if whole:
+                    if piece.nbytes:
+                        targets.append(view)
+                        sources.append(tensor)
+                    continue
+                self.current = as_bytes(tensor)
             assert self.current is not None
-            out[piece.offset : piece.offset + piece.nbytes].copy_(
-                self.current[piece.start : piece.start + piece.nbytes]
-            )
+            targets.append(view)
+            sources.append(self.current[piece.start : piece.start + piece.nbytes])
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        if checked:
+            bad = first_non_finite(checked)
+            if bad is not None:
+                param = checked_params[bad]
+                raise non_finite_error(self.plan.params[param].name, param)
         return out
+
+    def whole(self, k: int) -> torch.Tensor:
+        """Bucket `k`'s only parameter as it came from the source (a plan of one
+        whole tensor per bucket, sent without a copy), checked as `pack` checks."""
+        (piece,) = self.plan.buckets[k].pieces
+        tensor = next(self.pairs)[1]
+        if self.finite and first_non_finite([tensor]) is not None:
+            raise non_finite_error(self.plan.params[piece.param].name, piece.param)
+        return tensor
 
     def exhaust(self) -> None:
         """Run the source to its end (the check for an extra parameter runs there)."""
@@ -323,11 +379,22 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
+def piece_view(buffer: torch.Tensor, piece: Piece, meta: ParamMeta) -> torch.Tensor:
+    """Where `piece` lies in `buffer`: the whole parameter as its dtype and shape,
+    or, for a piece of a split one, its bytes."""
+    data = buffer[piece.offset : piece.offset + piece.nbytes]
+    if piece.nbytes != meta.nbytes:
+        return data
+    return data.view(meta.dtype).view(meta.shape)
+
+
 class RotatingBuffers:
     """`count` reusable `uint8` buffers on `device`, grown only when a plan needs more.
 
     Reusing buffers across buckets and syncs avoids the page faults of fresh
-    allocations, which cost more than the copy itself on CPU.
+    allocations, which cost more than the copy itself on CPU. Each buffer keeps
+    the piece views of the buckets of one plan (`views`), so a warm round makes
+    no per-tensor views; they go with the buffer when it grows or is released.
     """
 
     def __init__(self, count: int, device: torch.device | str) -> None:
@@ -335,6 +402,9 @@ class RotatingBuffers:
             raise ValueError(f"packed_num_buffers must be at least 1, got {count}")
         self.device = torch.device(device)
         self._buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * count
+        self._views: list[tuple[BucketPlan | None, dict[int, list[torch.Tensor]]]] = [
+            (None, {}) for _ in range(count)
+        ]
         self.fixed = False
 
     @classmethod
@@ -359,10 +429,27 @@ class RotatingBuffers:
                 )
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._buffers[slot] = buf
+            self._views[slot] = (None, {})
         return buf[:nbytes]
+
+    def views(self, plan: BucketPlan, k: int) -> list[torch.Tensor]:
+        """`piece_view`s of bucket `k` of `plan` in its buffer (which `get(k, ...)`
+        sized), in piece order; made at the first call for this plan and buffer."""
+        slot = k % len(self._buffers)
+        owner, made = self._views[slot]
+        if owner is not plan:
+            made = {}
+            self._views[slot] = (plan, made)
+        views = made.get(k)
+        if views is None:
+            buf = self._buffers[slot]
+            views = [piece_view(buf, p, plan.params[p.param]) for p in plan.buckets[k].pieces]
+            made[k] = views
+        return views
 
     def release(self) -> None:
         self._buffers = [torch.empty(0, dtype=torch.uint8)] * len(self._buffers)
+        self._views = [(None, {}) for _ in self._buffers]
 
 
 class Unpacker:

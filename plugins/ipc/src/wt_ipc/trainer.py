@@ -126,6 +126,7 @@ class IPCTrainerInitInfo(WireParams, TrainerInitInfo):
 
 class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
     init_info_cls = IPCTrainerInitInfo
+    finite_per_bucket = True
 
     def __init__(
         self,
@@ -145,6 +146,7 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
             "ipc", remedy="the next send_weights attaches the workers again (or call trainer_init)"
         )
         self.staging: TrainerStaging | None = None
+        self.slots: RotatingBuffers | None = None  # the staging's buffers, with their views
         self.round_id = 0
         self.layout_digests: list[int] = []  # the last update info's, sent in its round
         self.plan_for = PlanCache(lambda metas: plan_for(metas, self.wire))
@@ -175,7 +177,7 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         self.channel.close("it is being attached again")
         if self.staging is not None:
             self.staging.close()
-            self.staging = None
+            self.staging, self.slots = None, None
         self._attach_workers(replace=False)
 
     def _attach_workers(self, *, replace: bool) -> None:
@@ -216,7 +218,7 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         finally:
             if listener is not None:
                 listener.close()
-        self.staging = staging
+        self.staging, self.slots = staging, RotatingBuffers.over(staging.slots)
         self.channel.connect(Credits(links))
 
     def _accept(
@@ -300,23 +302,23 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         transfer: Transfer,
     ) -> None:
         plan = self.plan_for(metas)
-        staging = self.staging
-        assert staging is not None
+        staging, slots = self.staging, self.slots
+        assert staging is not None and slots is not None
         round_id = self.round_id
         room = digest_room(self.wire) if self.wire.verify else None
         digests = BucketDigests.of_plan(plan) if room is not None else None
         with self.channel.on_wire("a round") as workers:
             workers.begin(round_id)
-            window = SendWindow(RotatingBuffers.over(staging.slots), transfer)
-            packer = Packer(pairs)
+            window = SendWindow(slots, transfer)
+            packer = Packer(plan, pairs, finite=self.check_finite)
             k = 0
             try:
                 for i, value in enumerate(self.layout_digests):
                     workers.send(Frame(LAYOUT, round_id, i, value))
                 for k, bucket in enumerate(plan.buckets):
-                    out = window.buffer(k, bucket.nbytes)
+                    window.free(k)
                     try:  # only the source can fail here: tell the workers
-                        packer.pack(bucket, out)
+                        out = packer.pack(k, slots)
                         if k == len(plan.buckets) - 1:
                             packer.exhaust()
                     except Exception as error:
@@ -346,7 +348,7 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         self.channel.close()
         if self.staging is not None:
             self.staging.close()
-            self.staging = None
+            self.staging, self.slots = None, None
 
 
 def _tell_abort(workers: Credits, round_id: int, k: int) -> bool:

@@ -67,6 +67,7 @@ class NCCLTrainerInitInfo(WireParams, TrainerInitInfo, GroupTrainerFields):
 
 class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
     init_info_cls = NCCLTrainerInitInfo
+    finite_per_bucket = True
 
     def __init__(
         self,
@@ -136,14 +137,14 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
         digests = BucketDigests.of_plan(plan) if self.wire.verify else None
         with self.channel.on_wire("a broadcast") as group:
             window = SendWindow(self._buffers, transfer)
-            packer = Packer(pairs)
+            packer = Packer(plan, pairs, finite=self.check_finite)
             for k, bucket in enumerate(plan.buckets):
                 window.free(k)
                 try:  # only the source can fail here: tell the workers, keep the group
                     if self.wire.packed:
-                        out = packer.pack(bucket, self._buffers.get(k, bucket.nbytes))
+                        out = packer.pack(k, self._buffers)
                     else:
-                        out = as_bytes(next(pairs)[1].to(self.device))
+                        out = as_bytes(packer.whole(k).to(self.device))
                     if k == len(plan.buckets) - 1:
                         packer.exhaust()
                 except Exception as error:

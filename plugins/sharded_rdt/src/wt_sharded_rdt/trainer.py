@@ -41,9 +41,9 @@ from weight_transfer.backend import (
     VLLMWeightSyncClient,
     WeightSource,
     aligned_layout,
-    all_finite,
     check_int_range,
     check_timeout,
+    first_non_finite,
     fleet_of,
     in_background,
     layerwise_groups,
@@ -437,12 +437,15 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                     f"{name!r} disagrees with metadata: the source yielded {tensor.dtype} "
                     f"{list(tensor.shape)}, metadata() says {meta.dtype} {list(meta.shape)}"
                 )
-            if self.check_finite and not all_finite(tensor):
-                raise ValueError(
-                    f"WeightSource yielded non-finite values (NaN or infinity) in {name!r}; "
-                    "set check_finite = False on the engine to send them anyway"
-                )
             batch[name] = tensor.detach()
+        if self.check_finite:  # the group at once: one host read
+            bad = first_non_finite(list(batch.values()))
+            if bad is not None:
+                raise ValueError(
+                    f"WeightSource yielded non-finite values (NaN or infinity) in "
+                    f"{list(batch)[bad]!r}; set check_finite = False on the engine to send "
+                    "them anyway"
+                )
         return batch
 
     def _freed(self, transfer: Transfer | None) -> set[int]:
