@@ -31,8 +31,8 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 import torch
+from wt_tools.counting import HostSyncs
 
-from tests.counting import HostSyncs
 from weight_transfer.control import SEAL_FIELD
 
 AUTHKEY = b"wt-tests"

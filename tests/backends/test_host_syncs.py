@@ -1,7 +1,7 @@
 """The data plane's cost per tensor, counted deterministically (no timing).
 
 One warm round of 1,000 and of 8,000 small tensors, each backend: the host
-syncs (`tests.counting.HostSyncs`) on the trainer and in each worker process
+syncs (`wt_tools.counting.HostSyncs`) on the trainer and in each worker process
 must not grow with the tensor count (at most 2 per bucket), and the trainer
 thread's aten ops stay at most 4 per tensor. On a GPU every host sync stalls
 the pipeline until the device drains, so these counts are its speed.
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from wt_tools.counting import AtenOps, HostSyncs
 
-from tests.counting import AtenOps, HostSyncs
 from tests.harness import WorkerPool, assert_received
 from tests.sources import DictSource
 from weight_transfer import WeightTransferTrainerFactory

@@ -164,6 +164,28 @@ def test_http_client_resumes_after_every_round_that_the_workers_closed(
         HTTPVLLMWeightSyncClient(server.url, pause="later")  # type: ignore[arg-type]
 
 
+def test_http_client_leaves_an_incomplete_model_paused(server: Server) -> None:
+    """An engine that could not roll back (no undo record) says `MODEL_INCOMPLETE`:
+    no resume after that refusal, and the next complete round resumes."""
+    from weight_transfer.rounds import MODEL_INCOMPLETE
+
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=10, reset_prefix_cache=False)
+    refusal = json.dumps({"error": f"{MODEL_INCOMPLETE}: a round failed after it loaded"})
+    server.answers["/update_weights"] = (500, refusal.encode())
+    client.start_weight_update()
+    with pytest.raises(WeightSyncRPCError, match=MODEL_INCOMPLETE):
+        client.update_weights({"names": ["x"]})
+    del server.answers["/update_weights"]
+    client.start_weight_update()
+    client.update_weights({"names": ["x"]})
+    client.finish_weight_update()
+    assert [s[1] for s in server.seen] == [
+        "/pause?mode=keep", "/start_weight_update", "/update_weights",
+        "/pause?mode=keep", "/start_weight_update", "/update_weights", "/finish_weight_update",
+        "/resume",
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("payload", "detail"),
     [

@@ -458,3 +458,39 @@ def test_round_client_aborts_a_round_left_open_before_starting_its_own() -> None
     client.update_weights({"names": ["b"], "values": [5.0]})
     client.finish_weight_update()
     assert torch.equal(session.engine.model.b, torch.full((2, 2), 5.0))
+
+
+def test_a_round_without_an_undo_record_leaves_the_engine_incomplete_until_one_lands(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No undo copy (`exact_undo` False): a round that fails after loading cannot
+    be rolled back, so the engine says so (`MODEL_INCOMPLETE`) in this and every
+    refusal until a round commits, and refuses to hold a commit."""
+    from weight_transfer import loading
+    from weight_transfer.base import ModelIncompleteError
+    from weight_transfer.rounds import HOLD_FIELD, model_incomplete
+
+    monkeypatch.setattr(loading, "_providers", [])
+    loading.register_loader_provider(lambda model, cfg: DirectLoader(model, undo=False))
+    engine = _engine()
+    engine.start_weight_update()
+    with pytest.raises(ValueError, match="missing required field"):  # nothing loaded yet
+        engine.update_weights({"values": [1.0]})
+    assert engine.incomplete is None
+    engine.start_weight_update()
+    engine.update_weights({"names": ["a"], "values": [3.0]})
+    with pytest.raises(ModelIncompleteError, match="told to fail") as failed:
+        engine.update_weights({"names": ["b"], "values": [9.0], "fail": True})
+    assert model_incomplete(failed.value) and engine.incomplete is not None
+    assert torch.equal(engine.model.a, torch.full((3,), 3.0))  # nothing could undo it
+    with pytest.raises(RoundAbortedError) as aborted:  # a trainer's abort hears it too
+        engine.update_weights({ABORT_FIELD: "the trainer's round failed"})
+    assert model_incomplete(aborted.value)
+    engine.start_weight_update()
+    with pytest.raises(TypeError, match="cannot revert"):
+        engine.update_weights({HOLD_FIELD: True})
+    engine.start_weight_update()
+    engine.update_weights({"names": ["a", "b"], "values": [5.0, 6.0]})
+    engine.finish_weight_update()
+    assert engine.incomplete is None
+    assert torch.equal(engine.model.b, torch.full((2, 2), 6.0))

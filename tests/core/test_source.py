@@ -178,3 +178,27 @@ def test_checked_iteration_passes_matching_pairs_through() -> None:
     out = list(checked_iteration(METAS, pairs))
     assert [m for m, _ in out] == METAS
     assert all(t is p for (_, t), (_, p) in zip(out, pairs, strict=True))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_first_non_finite_names_the_first_bad_tensor_across_dtypes(bad: float) -> None:
+    """One batched flag per call; the index is the first bad tensor in the caller's
+    order, whatever the dtypes' order; a float16 tensor whose norm overflows its
+    dtype but whose values are finite is not refused."""
+    from weight_transfer.source import first_non_finite
+
+    tensors = [
+        torch.ones(8, dtype=torch.bfloat16),
+        torch.full((70_000,), 300.0, dtype=torch.float16),  # norm ~79,000 > float16's max
+        torch.arange(6, dtype=torch.int64),  # not floating: never checked
+        torch.zeros(0),
+        torch.ones(3, 3, dtype=torch.float64),
+        torch.ones(5, dtype=torch.float32),
+    ]
+    assert first_non_finite(tensors) is None
+    tensors[5][2] = bad
+    assert first_non_finite(tensors) == 5
+    tensors[4][1, 1] = bad  # an earlier one, of another dtype
+    assert first_non_finite(tensors) == 4
+    tensors[1][69_999] = bad
+    assert first_non_finite(tensors) == 1

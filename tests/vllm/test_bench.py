@@ -63,6 +63,17 @@ def test_quick_bench_produces_every_figure(tmp_path: Path) -> None:
     methods = {r["method"] for r in live["rows"]}
     assert {"floor: vLLM reload from memory", "wt_nccl packed", "save + reload_weights"} <= methods
     assert {"wt_ipc packed", "wt_sharded_rdt (nixl)"} <= methods
+    for r in live["rows"]:  # every wt row prices its engine's undo record beside the model
+        undo = r["undo"]
+        assert (undo is not None) == r["method"].startswith("wt_"), r["method"]
+        if undo is not None:
+            assert undo["seconds"] > 0 and 0 < undo["copied_bytes"] <= undo["model_bytes"]
+            assert undo["kept_bytes"] >= 0
+            phases = r["phases_s"]  # where its time went
+            assert phases["undo"] > 0 and phases["load"] > 0, (r["method"], phases)
+    packed = {r["method"]: r["phases_s"] for r in live["rows"]}["wt_nccl packed"]
+    assert packed["check"] > 0 and packed["pack"] > 0 and packed["unpack"] > 0, packed
+    assert "Where a wt round's time goes" in (out / "bench.md").read_text()
     shares = [max(t["bytes_per_worker"]) / t["model_bytes"] for t in live["sharded_rdt_tp"]]
     assert shares[0] == 1.0 and 0.45 < shares[1] < 0.55 and 0.2 < shares[2] < 0.3
     targets = results["targets"]

@@ -184,21 +184,30 @@ def test_module_source_matches_checkpoint(tiny_dirs: Any) -> None:
         assert torch.equal(saved[name], tensor), name
 
 
-def test_rollback_without_data_copy_keeps_engine_serving(
+def test_without_an_undo_copy_a_failed_round_keeps_generation_paused_until_one_lands(
     served: ServedEngines, references: References, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`WT_VLLM_SNAPSHOT=none`: no undo copy; a failed round leaves a serving model."""
+    """`WT_VLLM_SNAPSHOT=none`: no undo copy, so a round that fails after loading
+    leaves layers of the new weights; the engine says so, generation stays paused
+    (nobody is served that model), and the next complete round serves again."""
+    from weight_transfer.rounds import MODEL_INCOMPLETE
     from weight_transfer.vllm.loader import SNAPSHOT_ENV
 
     engine = served("nccl")
+    core = engine.llm.llm_engine.engine_core.engine_core  # the in-process engine core
     monkeypatch.setenv(SNAPSHOT_ENV, "none")
     target = 3 if engine.seed == 2 else 2
     source, _ = _bad_sources(target)["wrong-shape"]
-    with pytest.raises(WeightSyncRPCError, match="down_proj"):
-        engine.send(source)
-    assert len(generate(engine.llm)) == len(references.outputs(target))  # still serving
-    engine.sync(target)
-    assert generate(engine.llm) == references.outputs(target)
+    try:
+        with pytest.raises(WeightSyncRPCError, match=MODEL_INCOMPLETE) as failure:
+            engine.send(source)
+        assert "down_proj" in str(failure.value)
+        assert core.is_scheduler_paused(), "an incomplete model was resumed"
+        engine.sync(target)
+        assert not core.is_scheduler_paused()
+        assert generate(engine.llm) == references.outputs(target)
+    finally:
+        engine.client.inner.resume_generation()  # whatever failed, the shared engine serves
 
 
 class _Records(logging.Handler):

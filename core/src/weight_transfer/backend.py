@@ -16,7 +16,8 @@ Trainer side
 Worker side
     `WeightTransferEngine` (the transaction lives in its base class, which
     also rolls back a stalled round and answers `ABORT_FIELD` with
-    `RoundAbortedError`),
+    `RoundAbortedError`; `ModelIncompleteError` when a round without an undo
+    record failed),
     `WeightTransferInitInfo`, `WeightTransferUpdateInfo`,
     `ParamListUpdateInfo` / `param_list_payload` (the shared per-round
     parameter list), `WeightLoader` / `Transaction` / `DirectLoader` /
@@ -68,6 +69,7 @@ from __future__ import annotations
 
 from weight_transfer.base import (
     ABORT_FIELD,
+    ModelIncompleteError,
     RoundAbortedError,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
@@ -217,6 +219,7 @@ __all__ = [
     # worker side
     "WeightTransferEngine",
     "RoundAbortedError",
+    "ModelIncompleteError",
     "ABORT_FIELD",
     "WeightTransferInitInfo",
     "WeightTransferUpdateInfo",

@@ -56,6 +56,7 @@ from weight_transfer.position import WorkerPosition, worker_position
 from weight_transfer.rounds import (
     ABORTED_ON_REQUEST,
     DEFAULT_TIMEOUT_S,
+    MODEL_INCOMPLETE,
     NOTHING_HELD,
     AlignedFailure,
     RoundClient,
@@ -71,6 +72,7 @@ __all__ = [
     "UpdatePayload",
     "ABORT_FIELD",
     "RoundAbortedError",
+    "ModelIncompleteError",
     "VLLMWeightSyncClient",
     "TrainerInitInfo",
     "TrainerWeightTransferEngine",
@@ -304,6 +306,12 @@ class RoundAbortedError(RuntimeError):
     """The open round was rolled back on request (`ABORT_FIELD`) or for lack of progress."""
 
 
+class ModelIncompleteError(RuntimeError):
+    """A round whose transaction keeps no undo record failed after it loaded: the
+    model holds part of it. Generation stays paused until a complete round lands;
+    the message holds `MODEL_INCOMPLETE`, which is how clients across HTTP know."""
+
+
 def _watch_rounds(ref: weakref.ReferenceType[WeightTransferEngine[Any, Any]]) -> None:
     """Daemon loop: roll back an engine's round that stalls (ends with the engine)."""
     while True:
@@ -393,6 +401,12 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     generation is resumed if it was paused when the round began; a held commit
     whose trainer left while generation was still paused is reverted
     (`weight_transfer.vllm.serving`).
+
+    A transaction without an exact undo (`exact_undo` False: no copy of the
+    weights, for models whose copy does not fit) cannot roll back a round that
+    loaded: the engine is then `incomplete` until a round commits. Until then it
+    resumes nothing, refuses holds, and its refusals say `MODEL_INCOMPLETE`
+    (`ModelIncompleteError`), so the clients leave generation paused.
     """
 
     init_info_cls: ClassVar[type[WeightTransferInitInfo]]
@@ -443,6 +457,8 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         self._held_paused = False  # ... and has stayed paused since the held commit
         self._held_label: str | None = None  # the label before the held round
         self._sealed = False  # the trainer said this round is complete (`SEAL_FIELD`)
+        self._round_loaded = False  # this round's transaction may have changed the model
+        self.incomplete: str | None = None  # why the model holds a failed round's part
 
     # -- target selection (draft model) ---------------------------------
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
@@ -518,6 +534,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             self.transaction = transaction
             self._hold = False
             self._sealed = False
+            self._round_loaded = False
             try:
                 subclass_start()
             except BaseException as error:
@@ -550,9 +567,12 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
                     transaction.commit()
             except BaseException as error:
                 self._abort_round(error)
+                self._raise_if_incomplete(error)
                 raise
             self.transaction = None
             self._hold = False
+            if transaction is not None:
+                self.incomplete = None  # a complete round landed
 
     def release_held(self) -> None:
         """Drop the undo record a held commit kept (`HOLD_FIELD`); idempotent."""
@@ -586,9 +606,14 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
     def _resume_generation(self, why: str) -> None:
         """Resume generation if it was paused when this round began: the trainer that
-        paused it may never resume it (it died, stalled, or its round failed here)."""
+        paused it may never resume it (it died, stalled, or its round failed here).
+        An incomplete model stays paused."""
         paused, self._round_paused = self._round_paused, False
-        if paused:
+        if paused and self.incomplete is not None:
+            logger.warning(
+                "%s: generation stays paused (%s; %s)", type(self).__name__, why, self.incomplete
+            )
+        elif paused:
             self._resume(why)
 
     def _resume(self, why: str) -> None:
@@ -627,7 +652,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             try:
                 self._abort_round(RoundAbortedError(reason))
             finally:
-                self._expired = reason
+                self._expired = reason if self.incomplete is None else self.incomplete
                 if self.held is not None and self._held_paused and self._round_paused:
                     self._revert_held_orphan(reason)  # a fleet's revert round, never run
                 self._resume_generation(reason)
@@ -686,12 +711,25 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
                     failures.append(undo_error)
         finally:
             self.transaction = None
+            if self._round_loaded and not getattr(transaction, "exact_undo", True):
+                self.incomplete = (
+                    f"{MODEL_INCOMPLETE}: a round without an undo record "
+                    f"({type(transaction).__name__}) failed after it loaded "
+                    f"({type(error).__name__}: {error}); generation stays paused until a "
+                    "complete round lands"
+                )
+            self._round_loaded = False
         if failures:
             first = failures[0]
             raise RuntimeError(
                 f"the weight update failed ({type(error).__name__}: {error}) and rolling "
                 f"back failed too ({type(first).__name__}: {first})"
             ) from error
+
+    def _raise_if_incomplete(self, error: BaseException) -> None:
+        """Raise `ModelIncompleteError` for `error` when the model is incomplete."""
+        if self.incomplete is not None:
+            raise ModelIncompleteError(self.incomplete) from error
 
     def _connect(self, init_info: Any, subclass_init: Callable[[], None]) -> None:
         """The subclass's init, then its trainer's control key; refused while a round is
@@ -794,6 +832,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             self._check_still_paused()
             info = self.parse_update_info(update_info)
             prepare = getattr(self.transaction, "prepare", None)
+            self._round_loaded = True
             if callable(prepare):
                 prepare()
             self.receive_weights(info)
@@ -802,10 +841,12 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         except AlignedFailure as failed:  # the channel is fine; raise the cause
             self._abort_round(failed.error)
             self._resume_generation(f"the round failed: {failed.error}")
+            self._raise_if_incomplete(failed.error)
             raise failed.error from None
         except BaseException as error:
             self._abort_round(error)
             self._resume_generation(f"the round failed: {error}")
+            self._raise_if_incomplete(error)
             raise
 
     def _check_still_paused(self) -> None:
@@ -826,6 +867,8 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         self._expired = None
         if self.transaction is not None:
             self._abort_round(RoundAbortedError(message))
+        if self.incomplete is not None:
+            message = f"{message}; {self.incomplete}"
         raise RoundAbortedError(message)
 
     def _revert_held(self, reason: str) -> None:
@@ -844,7 +887,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         transaction = self.transaction
         if transaction is None:
             raise RuntimeError("update_weights called without a matching start_weight_update")
-        if not isinstance(transaction, Revertible):
+        if not isinstance(transaction, Revertible) or not getattr(transaction, "exact_undo", True):
             error = TypeError(
                 f"{type(self).__name__}: the round's transaction ({type(transaction).__name__}) "
                 "cannot revert a committed round, so this engine cannot hold a commit for an "

@@ -45,7 +45,7 @@ from weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 from weight_transfer.control import ABORT_FIELD, REVERT_FIELD
-from weight_transfer.rounds import ABORTED_ON_REQUEST, round_left_open
+from weight_transfer.rounds import ABORTED_ON_REQUEST, model_incomplete, round_left_open
 
 __all__ = [
     "WeightSyncRPCError",
@@ -118,8 +118,12 @@ class _PausingClient:
         self._resume()
 
     def _resume_after(self, error: BaseException) -> None:
-        """Resume after the workers closed a round with `error`; a resume failure is logged."""
+        """Resume after the workers closed a round with `error`; a resume failure is logged.
+        An engine whose model is incomplete (`model_incomplete`) stays paused."""
         if self.pause is None:
+            return
+        if model_incomplete(error):
+            logger.warning("generation stays paused until a complete round lands: %s", error)
             return
         try:
             self._resume()

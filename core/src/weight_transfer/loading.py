@@ -33,6 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from weight_transfer.slices import LoadFn, Scatter, storage_id, write_scatter
+from weight_transfer.transport.phases import timed
 
 __all__ = [
     "Transaction",
@@ -64,7 +65,11 @@ class Transaction(Protocol):
         """Make the round's changes the model's weights. One that raises has rolled back."""
 
     def abort(self) -> None:
-        """Undo every change since `begin()`; idempotent, and a no-op after `commit()`."""
+        """Undo every change since `begin()`; idempotent, and a no-op after `commit()`.
+
+        A transaction may define `exact_undo = False`: it keeps no undo record, and
+        its abort leaves what was loaded (see `WeightTransferEngine.incomplete`).
+        """
 
 
 @runtime_checkable
@@ -155,12 +160,14 @@ class DirectLoader:
     Parameters keep their storage: loads and restores are in place.
 
     `undo=False` keeps no undo copy (a benchmark pricing the transport alone,
-    or a caller that accepts it): `abort()` then leaves what was loaded.
+    or a model whose copy does not fit): `abort()` then leaves what was loaded,
+    and `exact_undo` is False.
     """
 
     def __init__(self, model: torch.nn.Module, *, undo: bool = True) -> None:
         self.model = model
         self.undo = undo
+        self.exact_undo = undo
         self._saved: set[str] | None = None  # names set aside this round
         self._prepared = False
         self._kept: set[str] | None = None  # names of a committed round kept for revert()
@@ -206,10 +213,11 @@ class DirectLoader:
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self.prepare()
         load_weights = getattr(self.model, "load_weights", None)
-        if callable(load_weights):
-            load_weights(weights)
-        else:
-            self._copy_by_name(weights)
+        with timed("load"):
+            if callable(load_weights):
+                load_weights(weights)
+            else:
+                self._copy_by_name(weights)
 
     def _copy_by_name(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         assert self._saved is not None

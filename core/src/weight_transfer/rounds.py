@@ -60,6 +60,8 @@ __all__ = [
     "RELEASE_FIELD",
     "new_trainer_id",
     "round_left_open",
+    "MODEL_INCOMPLETE",
+    "model_incomplete",
 ]
 
 T = TypeVar("T")
@@ -72,6 +74,17 @@ ABORTED_ON_REQUEST = "aborted on request"
 NOTHING_HELD = "no committed round is held"  # a revert with nothing to revert
 # How hosts refuse a start while their round is open (vLLM's worker, WorkerSession).
 _ROUND_OPEN_MARKERS = ("weight update is already active", "while a weight update is active")
+
+
+# An engine whose round failed without an undo record (`exact_undo` False) says so in
+# every refusal until a complete round lands; its clients then leave generation paused.
+MODEL_INCOMPLETE = "the model is incomplete"
+
+
+def model_incomplete(error: BaseException) -> bool:
+    """Whether `error` is an engine saying its model holds a failed round's partial
+    weights (no undo record): generation must stay paused until a complete round."""
+    return MODEL_INCOMPLETE in str(error)
 
 
 def round_left_open(error: BaseException) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from wt_tools.counting import HostSyncs
 
 from tests.backends.sharded_rdt.models import (
     EXPERTS,
@@ -26,7 +27,6 @@ from tests.backends.sharded_rdt.models import (
     held_part,
     reference,
 )
-from tests.counting import HostSyncs
 from tests.sources import DictSource
 from weight_transfer import layerwise_groups
 from weight_transfer.control import with_control_key

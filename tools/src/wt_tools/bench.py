@@ -25,6 +25,12 @@ starts vLLM on it in-process, and times, interleaved over `--repeats` rounds:
   more syncs, after which /dev/shm usage and this process's RSS are compared
   with their values after the first.
 
+Every wt row also reports where its time goes (`weight_transfer.transport.phases`:
+check, pack, wire, unpack, undo record, load; seconds and share of the round) and
+its engine's undo record (`WT_VLLM_SNAPSHOT`, the default
+`host`): the seconds it took and the bytes it copied and kept alive by reference until
+the round ended, beside the model's size.
+
 Each round loads alternating weights, so every load really changes the model;
 after the last round the served tokens are checked against the trainer's
 weights. Figures are medians; ratios are against the floor of the same run.
@@ -58,6 +64,7 @@ set_loopback_env()  # before anything imports Ray (vLLM does)
 
 import torch  # noqa: E402
 
+from weight_transfer.transport.phases import PHASES, PhaseClock  # noqa: E402
 from wt_tools.local_ray import start_local_ray  # noqa: E402
 from wt_tools.tiny_model import TinyLlamaSpec, build_tiny_llama, tiny_llama  # noqa: E402
 
@@ -211,6 +218,7 @@ def live(layers: int, repeats: int, work: str) -> dict[str, Any]:
         },
     ]
     times: dict[str, list[float]] = {}
+    phases: dict[str, list[dict[str, float]]] = {}  # per wt row, per round: seconds per phase
     floor_of: dict[str, str] = {}
     for block in blocks:
         block_floor = next(iter(block))
@@ -220,9 +228,12 @@ def live(layers: int, repeats: int, work: str) -> dict[str, Any]:
         for r in range(repeats):
             for name, prepare in block.items():
                 run = prepare(r % 2)
-                t0 = time.perf_counter()
-                run()
-                times.setdefault(name, []).append(time.perf_counter() - t0)
+                with PhaseClock() as clock:
+                    t0 = time.perf_counter()
+                    run()
+                    times.setdefault(name, []).append(time.perf_counter() - t0)
+                if name.startswith("wt_"):
+                    phases.setdefault(name, []).append(clock.seconds)
 
     # Correctness: what each engine serves now equals a sync of the same target.
     last = (repeats - 1) % 2
@@ -236,13 +247,20 @@ def live(layers: int, repeats: int, work: str) -> dict[str, Any]:
             raise RuntimeError(f"tokens after wt_{backend} differ from tokens after vLLM's reload")
 
     pulled = llms["sharded_rdt"].collective_rpc(_pulled_bytes)[0]
-    rows = []
-    print(f"\n{'method':<34} {'median s':>9} {'GB/s':>7} {'x floor':>8} {'MB/worker':>10}")
+    # The undo record of each engine's last wt round (every wt row of an engine keeps the same).
+    undo = {backend: llm.collective_rpc(_undo_cost)[0] for backend, llm in llms.items()}
+    engine_of = {"wt_nccl": "nccl", "wt_ipc": "ipc", "wt_sharded_rdt": "sharded_rdt"}
+    rows: list[dict[str, Any]] = []
+    print(
+        f"\n{'method':<34} {'median s':>9} {'GB/s':>7} {'x floor':>8} {'MB/worker':>10} "
+        f"{'undo s':>7} {'undo MB copied/kept':>20}"
+    )
     for name, ts in times.items():
         base = statistics.median(times[floor_of[name]])
         med = statistics.median(ts)
         per_worker = pulled if name.startswith("wt_sharded_rdt") else nbytes
         moved = f"{per_worker / 1e6:10.1f}" if name.startswith("wt_") else f"{'-':>10}"
+        cost = undo.get(engine_of.get(name.split(" ")[0], ""))
         rows.append(
             {
                 "method": name,
@@ -250,9 +268,24 @@ def live(layers: int, repeats: int, work: str) -> dict[str, Any]:
                 "times_s": ts,
                 "ratio_to_floor": med / base,
                 "bytes_per_worker": per_worker if name.startswith("wt_") else None,
+                "undo": cost if name.startswith("wt_") else None,
+                "phases_s": _median_phases(phases[name]) if name in phases else None,
             }
         )
-        print(f"{name:<34} {med:9.3f} {nbytes / 1e9 / med:7.2f} {med / base:8.2f} {moved}")
+        kept = ""
+        if cost and name.startswith("wt_"):
+            copied, held = cost["copied_bytes"] / 1e6, cost["kept_bytes"] / 1e6
+            kept = f"{cost['seconds']:7.3f} {copied:9.1f}/{held:<10.1f}"
+        print(f"{name:<34} {med:9.3f} {nbytes / 1e9 / med:7.2f} {med / base:8.2f} {moved} {kept}")
+    print(
+        "\nwhere a round's time goes (seconds summed over threads, so shares may add past 1; "
+        "wire: the trainer waiting on its sends):"
+    )
+    print(f"{'method':<34} " + " ".join(f"{p:>13}" for p in PHASES))
+    for name, rounds in phases.items():
+        seconds, med = _median_phases(rounds), statistics.median(times[name])
+        shares = [f"{seconds[p]:6.3f} {seconds[p] / med:5.0%}" for p in PHASES]
+        print(f"{name:<34} " + " ".join(f"{s:>13}" for s in shares))
     for _, engine in connected.values():
         engine.shutdown()
     sharded = [measure(tp, layers=2 if layers <= 2 else 8, repeats=repeats) for tp in (1, 2, 4)]
@@ -356,6 +389,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def _pulled_bytes(worker: Any) -> int:
     return int(worker.weight_transfer_engine.pulled_bytes)
+
+
+def _median_phases(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Per phase, the median of its seconds over `rounds`."""
+    return {p: statistics.median(r.get(p, 0.0) for r in rounds) for p in PHASES}
+
+
+def _undo_cost(worker: Any) -> dict[str, Any] | None:
+    """The worker model's last undo record (`weight_transfer.vllm.snapshot.UndoCost`)."""
+    import dataclasses
+
+    from weight_transfer.vllm.snapshot import last_undo_cost
+
+    cost = last_undo_cost(worker.model_runner.model)
+    return None if cost is None else dataclasses.asdict(cost)
 
 
 def _rss_bytes() -> int:

@@ -9,7 +9,9 @@ MoE-like one of 30,000 tensors), medians of `--repeats` after a warm-up:
 - packing: the trainer's packing of every tensor into device buckets
   (core's `Packer` over `checked_iteration`, as wt_nccl and wt_ipc do);
 - wt_ipc: the trainer (this process) into a worker process on the same GPU
-  through CUDA IPC (plain target, copies in place);
+  through CUDA IPC (plain target, copies in place), and the host syncs of one
+  warm round in this process (host reads on every thread, and the CUDA calls
+  torch's sync debug mode reports);
 - wt_nccl: only with two GPUs (an NCCL group cannot hold two ranks of one
   device): the worker process on the second;
 - the digest of verified bytes (`wt_tools.digest_bench`) against a
@@ -86,6 +88,7 @@ def _layout_case(name: str, layout: Any, repeats: int) -> dict[str, Any]:
             source=source,
         )
         row["ipc_s"] = _median(trainer.send_weights, repeats)
+        row.update(_host_syncs(trainer.send_weights, "ipc"))
         if workers.call("checksum")[0] != checksum(flat):
             raise RuntimeError(f"{name}: wt_ipc delivered different bytes")
         trainer.shutdown()
@@ -105,6 +108,26 @@ def _layout_case(name: str, layout: Any, repeats: int) -> dict[str, Any]:
         if key in row:
             row[key.replace("_s", "_x_copy")] = row[key] / row["d2d_copy_s"]
     return row
+
+
+def _host_syncs(send: Callable[[], None], name: str) -> dict[str, int]:
+    """One warm round's host syncs in this process (the trainer's): the host reads
+    `wt_tools.counting.HostSyncs` counts on every thread, and the synchronizing CUDA
+    calls torch itself reports (`torch.cuda.set_sync_debug_mode("warn")`)."""
+    import warnings
+
+    from wt_tools.counting import HostSyncs
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with HostSyncs() as syncs:
+                send()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    cuda_syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return {f"{name}_host_reads": syncs.total, f"{name}_cuda_syncs": cuda_syncs}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -220,14 +220,38 @@ def markdown(results: dict[str, Any]) -> str:
     live = results.get("live")
     if live:
         out += ["", f"## Live vLLM ({live['bytes'] / 2**30:.2f} GiB, in-process)", ""]
-        out.append("| path | s | x its floor | MB/worker |")
-        out.append("| --- | --- | --- | --- |")
+        out.append("| path | s | x its floor | MB/worker | undo s | undo MB copied / kept |")
+        out.append("| --- | --- | --- | --- | --- | --- |")
         for r in live["rows"]:
             per = r.get("bytes_per_worker")
             moved = f"{per / 1e6:.0f}" if per else ""
-            out.append(
-                f"| {r['method']} | {r['median_s']:.3f} | {r['ratio_to_floor']:.2f} | {moved} |"
+            undo = r.get("undo")
+            cost = (
+                f"{undo['seconds']:.3f} | {undo['copied_bytes'] / 1e6:.1f} / "
+                f"{undo['kept_bytes'] / 1e6:.1f} (model {undo['model_bytes'] / 1e6:.0f})"
+                if undo
+                else " | "
             )
+            out.append(
+                f"| {r['method']} | {r['median_s']:.3f} | {r['ratio_to_floor']:.2f} | {moved} "
+                f"| {cost} |"
+            )
+        out += [
+            "",
+            "Where a wt round's time goes (seconds, share of the round; threads overlap):",
+            "",
+        ]
+        names = [p for r in live["rows"] if r.get("phases_s") for p in r["phases_s"]]
+        order = list(dict.fromkeys(names))
+        out.append("| path | " + " | ".join(order) + " |")
+        out.append("| --- |" + " --- |" * len(order))
+        for r in live["rows"]:
+            if r.get("phases_s"):
+                cells = [
+                    f"{r['phases_s'][p]:.3f} ({r['phases_s'][p] / r['median_s']:.0%})"
+                    for p in order
+                ]
+                out.append(f"| {r['method']} | " + " | ".join(cells) + " |")
         out += ["", "sharded_rdt bytes per worker, tensor-parallel engines:", ""]
         for t in live["sharded_rdt_tp"]:
             per = max(t["bytes_per_worker"])

@@ -1,10 +1,12 @@
-"""A small random Llama checkpoint, built locally (no hub access).
+"""Small random checkpoints, built locally (no hub access).
 
 `build_tiny_llama(path, seed=...)` writes a `LlamaForCausalLM` with random
 weights (normal, scale `scale`; norms around 1) in safetensors format plus a
 word-level tokenizer whose vocabulary is `<pad> <s> </s> <unk> w0 w1 ...`, and
 returns `path`. Different seeds give different greedy outputs. `TinyLlamaSpec`
 sets the size; `TinyLlamaSpec.large()` is about 1 GiB in float32.
+`build_tiny_moe(path, seed=...)` does the same for a `Qwen3MoeForCausalLM`
+(`TinyMoESpec`: every layer sparse, per-expert checkpoint tensors).
 
 Needs `transformers` and `tokenizers`.
 """
@@ -17,7 +19,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["TinyLlamaSpec", "build_tiny_llama", "llama_config", "tiny_llama", "prompt_words"]
+__all__ = [
+    "TinyLlamaSpec",
+    "TinyMoESpec",
+    "build_tiny_llama",
+    "build_tiny_moe",
+    "llama_config",
+    "tiny_llama",
+    "tiny_moe",
+    "prompt_words",
+]
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 
@@ -112,6 +123,73 @@ def build_tiny_llama(
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tiny_llama(spec, seed=seed, scale=scale).save_pretrained(path, safe_serialization=True)
+    _tokenizer(spec.vocab_size).save_pretrained(path)
+    return path
+
+
+@dataclass(frozen=True)
+class TinyMoESpec:
+    """A Qwen3-MoE: `num_experts` experts a layer, `num_experts_per_tok` routed to.
+    An intermediate size off a multiple of 32 (the default 48) makes vLLM's CPU
+    kernel pad it, the case its layerwise reload cannot even copy."""
+
+    vocab_size: int = 300
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 48
+    max_position_embeddings: int = 256
+
+
+@torch.no_grad()
+def tiny_moe(spec: TinyMoESpec = TinyMoESpec(), *, seed: int = 0, scale: float = 0.2) -> Any:
+    """A `Qwen3MoeForCausalLM` for `spec` with weights drawn from `seed`."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=4 * spec.hidden_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="float32",
+    )
+    model = Qwen3MoeForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+        param.copy_(1.0 + 0.1 * noise if "norm" in name else scale * noise)
+    return model.eval()
+
+
+def build_tiny_moe(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    spec: TinyMoESpec = TinyMoESpec(),
+    scale: float = 0.2,
+) -> str:
+    """Write the MoE checkpoint and tokenizer for (`spec`, `seed`) to `path`; returns `path`."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tiny_moe(spec, seed=seed, scale=scale).save_pretrained(path, safe_serialization=True)
     _tokenizer(spec.vocab_size).save_pretrained(path)
     return path
 

@@ -38,6 +38,7 @@ from weight_transfer.source import (
     layerwise_groups,
     non_finite_error,
 )
+from weight_transfer.transport.phases import timed
 
 __all__ = [
     "ALIGNMENT",
@@ -351,9 +352,11 @@ class Packer:
             targets.append(view)
             sources.append(self.current[piece.start : piece.start + piece.nbytes])
         if targets:
-            torch._foreach_copy_(targets, sources)
+            with timed("pack"):
+                torch._foreach_copy_(targets, sources)
         if checked:
-            bad = first_non_finite(checked)
+            with timed("check"):
+                bad = first_non_finite(checked)
             if bad is not None:
                 param = checked_params[bad]
                 raise non_finite_error(self.plan.params[param].name, param)
@@ -470,6 +473,12 @@ class Unpacker:
 
     def unpack(
         self, k: int, buf: torch.Tensor, *, view_horizon: int = 0
+    ) -> list[tuple[str, torch.Tensor]]:
+        with timed("unpack"):
+            return self._unpack(k, buf, view_horizon)
+
+    def _unpack(
+        self, k: int, buf: torch.Tensor, view_horizon: int
     ) -> list[tuple[str, torch.Tensor]]:
         out: list[tuple[str, torch.Tensor]] = []
         for piece in self.plan.buckets[k].pieces:

@@ -42,6 +42,7 @@ from weight_transfer.rounds import AlignedFailure, Transfer
 from weight_transfer.transport.digest import BucketDigests, DigestMismatch, run_receive_hooks
 from weight_transfer.transport.futures import all_settle
 from weight_transfer.transport.packing import RotatingBuffers, Unpacker
+from weight_transfer.transport.phases import timed
 
 __all__ = ["SendWindow", "LoadPipeline", "LoadFailed"]
 
@@ -75,8 +76,9 @@ class SendWindow:
 
     def settle(self, slot: int, what: str) -> None:
         try:
-            for future in self._in_flight[slot]:
-                self.transfer.wait(future, what)
+            with timed("wire"):
+                for future in self._in_flight[slot]:
+                    self.transfer.wait(future, what)
         except Exception as error:
             if self.transfer.worker_error() is error and all_settle(
                 f for sends in self._in_flight for f in sends

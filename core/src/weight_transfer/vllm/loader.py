@@ -15,7 +15,10 @@
   as soon as `load` returns. (A tensor that owns its whole storage is taken
   over as is: the transport must not reuse it.)
 - `commit()`: `finalize_layerwise_reload(model, model_config)`; if that raises,
-  the round is aborted before the error propagates.
+  the round is aborted before the error propagates. Fused-MoE layers whose
+  kernel prepacks its weights (vLLM's CPU experts), which that reload would
+  corrupt, are reloaded apart (`weight_transfer.vllm.moe`): taken out at
+  `prepare()`, post-processed once and installed at `commit()`.
 - `abort()`: restores the snapshot; the model serves exactly the weights it
   served before `begin()`.
 - `commit(keep_undo=True)` (a `Revertible`): the snapshot outlives the commit
@@ -26,8 +29,10 @@ The snapshot copies the tensors a reload overwrites in place (see
 `weight_transfer.vllm.snapshot`): on CPU only embeddings, norms and lm_head (a
 few MB), on CUDA the whole model, to pinned host memory by default. The
 environment variable `WT_VLLM_SNAPSHOT` (read by the worker) chooses where:
-`host` (default), `device`, or `none` (no copy: a failed round then keeps the
-new weights in the layers that completed before the failure).
+`host` (default), `device`, or `none`: no copy, for a model whose copy does not
+fit. A failed round then keeps the new weights in the layers that completed
+before the failure, so the loader says `exact_undo = False` and the engine keeps
+generation paused until a complete round lands (`WeightTransferEngine.incomplete`).
 
 Slices (`weight_transfer.loading.SliceLoader`): `dry_run()` opens a round of
 its own, runs the model's loaders unwrapped (their original functions, not
@@ -60,6 +65,8 @@ import torch
 
 from weight_transfer.loading import DryRun, parameter_targets
 from weight_transfer.slices import Scatter, write_scatter
+from weight_transfer.transport.phases import timed
+from weight_transfer.vllm.moe import PrepackedExperts, prepacked_expert_layers
 from weight_transfer.vllm.snapshot import COPY_MODES, ModelSnapshot
 
 __all__ = [
@@ -134,6 +141,7 @@ class VLLMLoader:
                 f"{SNAPSHOT_ENV} must be one of {', '.join(COPY_MODES)}, got {snapshot_to!r}"
             )
         self.snapshot_to = snapshot_to
+        self.exact_undo = snapshot_to != "none"  # "none": a failed round leaves it incomplete
         self.model = model
         self.vllm_config = vllm_config
         self.model_config = model_config if model_config is not None else vllm_config.model_config
@@ -143,6 +151,7 @@ class VLLMLoader:
         self._device: torch.device | None = None
         self._modules: list[torch.nn.Module] = []
         self._named: dict[str, torch.nn.Module] = {}
+        self._experts: PrepackedExperts | None = None  # fused-MoE layers reloaded apart
         self._open = False
 
     @property
@@ -177,6 +186,7 @@ class VLLMLoader:
             snapshot = ModelSnapshot.take(self.model, self.snapshot_to)
             try:
                 initialize_layerwise_reload(self.model)
+                self._experts = PrepackedExperts.take_out(self.model)
             except BaseException:
                 snapshot.restore()
                 snapshot.release()
@@ -219,7 +229,7 @@ class VLLMLoader:
             if self.snapshot is None:
                 raise RuntimeError("VLLMLoader.load: no open round (begin() first, or aborted)")
             try:
-                with self._load_context():
+                with self._load_context(), timed("load"):
                     self.model.load_weights(tracked())  # type: ignore[operator]
                     self._detach_pending(weights)
             except Exception as e:
@@ -235,7 +245,17 @@ class VLLMLoader:
     # -- slices ------------------------------------------------------------
     @contextlib.contextmanager
     def dry_run(self) -> Iterator[DryRun]:
-        """See the module docstring; the round it opens is always aborted."""
+        """See the module docstring; the round it opens is always aborted. A model with
+        fused-MoE layers whose kernel prepacks its weights is refused (`WeightLoadError`):
+        a recorded slice replay cannot redo the prepack."""
+        prepacked = [name for name, _ in prepacked_expert_layers(self.model)]
+        if prepacked:
+            raise WeightLoadError(
+                f"{type(self.model).__name__}: fused-MoE layers {prepacked[:3]}"
+                f"{'...' if len(prepacked) > 3 else ''} prepack their expert weights at load "
+                "(vLLM's CPU kernel), which a recorded slice replay cannot redo; sync this "
+                "model with a full-resync backend (wt_nccl, wt_ipc)"
+            )
         self.begin()
         try:
             self.prepare()
@@ -323,9 +343,16 @@ class VLLMLoader:
             snapshot, self.snapshot = self.snapshot, None
             if snapshot is None:
                 return  # nothing was loaded: the model never changed
+            experts, self._experts = self._experts, None
             try:
-                with self._load_context(), quiet_reload_warnings(self._derived_only()):
+                with (
+                    self._load_context(),
+                    quiet_reload_warnings(self._derived_only()),
+                    timed("load"),
+                ):
                     finalize_layerwise_reload(self.model, self.model_config)
+                    if experts:
+                        experts.finish()
             except BaseException:
                 snapshot.restore()
                 snapshot.release()
@@ -365,6 +392,7 @@ class VLLMLoader:
     def abort(self) -> None:
         with self._lock:
             self._open = False
+            self._experts = None  # the snapshot puts their kernel tensors back
             snapshot, self.snapshot = self.snapshot, None
             if snapshot is None:
                 return

@@ -25,7 +25,8 @@ pays for allocation. Where the copy lives (`copy_to`):
 - `"device"`: next to each tensor (fast, but costs device memory);
 - `"none"`: no data copy. `restore()` still puts every module back together,
   but layers that completed before the failure keep the new values: a failed
-  round leaves whole layers of the new weights.
+  round leaves whole layers of the new weights (the engine then keeps
+  generation paused until a complete round lands).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelSnapshot", "COPY_MODES"]
+from weight_transfer.transport.phases import timed
+
+__all__ = ["ModelSnapshot", "COPY_MODES", "UndoCost", "last_undo_cost"]
 
 COPY_MODES = ("host", "device", "none")
 
@@ -47,6 +50,45 @@ _MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules"})
 _COPY_BUFFERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+@dataclass(frozen=True)
+class UndoCost:
+    """What a model's last snapshot cost: the seconds it took, the bytes it copied,
+    and the bytes it kept alive by reference (on CPU the previous packed Linear
+    weights), all held until the round ends; `model_bytes` (every tensor the
+    modules hold: parameters, buffers, and those of their other attributes) for scale."""
+
+    seconds: float
+    copied_bytes: int
+    kept_bytes: int
+    model_bytes: int
+
+
+_LAST_COST: weakref.WeakKeyDictionary[torch.nn.Module, UndoCost] = weakref.WeakKeyDictionary()
+
+
+def last_undo_cost(model: torch.nn.Module) -> UndoCost | None:
+    """The cost of the last `ModelSnapshot.take(model)`, or None before the first."""
+    return _LAST_COST.get(model)
+
+
+def _tensor_bytes(values: Any, seen: set[int]) -> int:
+    """Bytes of the tensors among `values` and their objects' attributes (one level),
+    each storage counted once."""
+    total = 0
+    for value in values:
+        found = [value] if isinstance(value, torch.Tensor) else []
+        if not found and hasattr(value, "__dict__") and not isinstance(value, torch.nn.Module):
+            found = [v for v in vars(value).values() if isinstance(v, torch.Tensor)]
+        for tensor in found:
+            if tensor.is_meta or tensor.numel() == 0:
+                continue
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += tensor.untyped_storage().nbytes()
+    return total
 
 
 @dataclass
@@ -104,6 +146,11 @@ class ModelSnapshot:
         """Record `model`; must run before `initialize_layerwise_reload(model)`."""
         if copy_to not in COPY_MODES:
             raise ValueError(f"copy_to must be one of {COPY_MODES}, got {copy_to!r}")
+        with timed("undo"):
+            return cls._take(model, copy_to)
+
+    @classmethod
+    def _take(cls, model: torch.nn.Module, copy_to: str) -> ModelSnapshot:
         t0 = time.perf_counter()
         store = _COPY_BUFFERS.setdefault(model, {})
         states: list[_ModuleState] = []
@@ -129,7 +176,15 @@ class ModelSnapshot:
                     buf.copy_(tensor.detach(), non_blocking=buf.is_pinned())
                     data.append((tensor, buf))
         _synchronize([t for t, _ in data])
-        return cls(model, states, data, time.perf_counter() - t0)
+        snapshot = cls(model, states, data, time.perf_counter() - t0)
+        storages: set[int] = set()
+        model_bytes = _tensor_bytes(
+            [t for st in states for t in (*st.parameters.values(), *st.buffers.values())],
+            storages,
+        )
+        kept = _tensor_bytes([v for st in states for v in st.attributes.values()], storages)
+        _LAST_COST[model] = UndoCost(snapshot.seconds, snapshot.nbytes, kept, model_bytes + kept)
+        return snapshot
 
     @torch.no_grad()
     def restore(self) -> None:
