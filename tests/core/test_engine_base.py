@@ -490,6 +490,9 @@ def test_a_round_without_an_undo_record_leaves_the_engine_incomplete_until_one_l
     with pytest.raises(TypeError, match="cannot revert"):
         engine.update_weights({HOLD_FIELD: True})
     engine.start_weight_update()
+    engine.finish_weight_update()  # a round that loads nothing lands nothing
+    assert engine.incomplete is not None
+    engine.start_weight_update()
     engine.update_weights({"names": ["a", "b"], "values": [5.0, 6.0]})
     engine.finish_weight_update()
     assert engine.incomplete is None

@@ -404,7 +404,8 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
     A transaction without an exact undo (`exact_undo` False: no copy of the
     weights, for models whose copy does not fit) cannot roll back a round that
-    loaded: the engine is then `incomplete` until a round commits. Until then it
+    loaded: the engine is then `incomplete` until a round that loads commits
+    (a control round, which loads nothing, does not count). Until then it
     resumes nothing, refuses holds, and its refusals say `MODEL_INCOMPLETE`
     (`ModelIncompleteError`), so the clients leave generation paused.
     """
@@ -571,8 +572,9 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
                 raise
             self.transaction = None
             self._hold = False
-            if transaction is not None:
-                self.incomplete = None  # a complete round landed
+            if self._round_loaded:
+                self.incomplete = None  # a round that loaded has landed
+            self._round_loaded = False
 
     def release_held(self) -> None:
         """Drop the undo record a held commit kept (`HOLD_FIELD`); idempotent."""

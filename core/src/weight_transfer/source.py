@@ -11,6 +11,10 @@ Contract of a `WeightSource` (every backend may rely on it):
   collective.
 - With partial ownership (`held_names()` not `None`), iteration yields `None`
   in place of the tensor for a name this rank does not hold.
+- A yielded tensor keeps its values while the pass runs: backends take a
+  bucket's tensors before copying them in one batch, or send a tensor as it is
+  while the next one is produced. A source that gathers into one reused buffer
+  yields a copy of it.
 """
 
 from __future__ import annotations
