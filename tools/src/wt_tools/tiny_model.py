@@ -81,17 +81,30 @@ def llama_config(spec: TinyLlamaSpec) -> Any:
     )
 
 
-@torch.no_grad()
 def tiny_llama(spec: TinyLlamaSpec = TinyLlamaSpec(), *, seed: int = 0, scale: float = 0.2) -> Any:
     """A `LlamaForCausalLM` for `spec` with weights drawn from `seed`."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM(llama_config(spec))
+    return _randomized(LlamaForCausalLM(llama_config(spec)), seed, scale)
+
+
+@torch.no_grad()
+def _randomized(model: Any, seed: int, scale: float) -> Any:
+    """`model` with weights drawn from `seed`: normal with std `scale`, norms around 1."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
         param.copy_(1.0 + 0.1 * noise if "norm" in name else scale * noise)
     return model.eval()
+
+
+def _save(model: Any, vocab_size: int, path: str | os.PathLike[str]) -> str:
+    """Write `model` (safetensors) and the word-level tokenizer to `path`; returns `path`."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer(vocab_size).save_pretrained(path)
+    return path
 
 
 def _tokenizer(vocab_size: int) -> Any:
@@ -120,11 +133,7 @@ def build_tiny_llama(
     scale: float = 0.2,
 ) -> str:
     """Write the checkpoint and tokenizer for (`spec`, `seed`) to `path`; returns `path`."""
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    tiny_llama(spec, seed=seed, scale=scale).save_pretrained(path, safe_serialization=True)
-    _tokenizer(spec.vocab_size).save_pretrained(path)
-    return path
+    return _save(tiny_llama(spec, seed=seed, scale=scale), spec.vocab_size, path)
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,6 @@ class TinyMoESpec:
     max_position_embeddings: int = 256
 
 
-@torch.no_grad()
 def tiny_moe(spec: TinyMoESpec = TinyMoESpec(), *, seed: int = 0, scale: float = 0.2) -> Any:
     """A `Qwen3MoeForCausalLM` for `spec` with weights drawn from `seed`."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -171,12 +179,7 @@ def tiny_moe(spec: TinyMoESpec = TinyMoESpec(), *, seed: int = 0, scale: float =
         eos_token_id=2,
         dtype="float32",
     )
-    model = Qwen3MoeForCausalLM(config)
-    generator = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
-        noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-        param.copy_(1.0 + 0.1 * noise if "norm" in name else scale * noise)
-    return model.eval()
+    return _randomized(Qwen3MoeForCausalLM(config), seed, scale)
 
 
 def build_tiny_moe(
@@ -187,11 +190,7 @@ def build_tiny_moe(
     scale: float = 0.2,
 ) -> str:
     """Write the MoE checkpoint and tokenizer for (`spec`, `seed`) to `path`; returns `path`."""
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    tiny_moe(spec, seed=seed, scale=scale).save_pretrained(path, safe_serialization=True)
-    _tokenizer(spec.vocab_size).save_pretrained(path)
-    return path
+    return _save(tiny_moe(spec, seed=seed, scale=scale), spec.vocab_size, path)
 
 
 def prompt_words(n: int, *, seed: int = 0, vocab_size: int = 300) -> str:
