@@ -1,6 +1,8 @@
 """The data plane's cost per tensor, counted deterministically (no timing).
 
-One warm round of 1,000 and of 8,000 small tensors, each backend: the host
+One warm round of 1,000 and of 8,000 small tensors, nccl and ipc (sharded_rdt's
+count, per gather group, is in its loopback tests; sparse_nccl has no finite
+check and no per-tensor packing): the host
 syncs (`wt_tools.counting.HostSyncs`) on the trainer and in each worker process
 must not grow with the tensor count (at most 2 per bucket), and the trainer
 thread's aten ops stay at most 4 per tensor. On a GPU every host sync stalls
