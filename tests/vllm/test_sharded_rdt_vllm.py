@@ -40,7 +40,13 @@ from tests.vllm.conftest import (
     require_backend,
     sampling_params,
 )
-from weight_transfer import FanOutClient, ModuleSource, ParamMeta, RayVLLMWeightSyncClient
+from weight_transfer import (
+    FanOutClient,
+    ModuleSource,
+    ParamMeta,
+    RayVLLMWeightSyncClient,
+    WeightSource,
+)
 
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
@@ -110,26 +116,36 @@ class FailingSource(ModuleSource):
             yield name, tensor
 
 
-def test_two_replicas_pull_over_nixl(replicas: list[Any], references: References) -> None:
+def clients_of(replicas: list[Any]) -> list[VersionedClient]:
+    return [VersionedClient(RayVLLMWeightSyncClient(a, timeout=120.0)) for a in replicas]
+
+
+def nixl_trainer(
+    clients: list[VersionedClient], source: WeightSource, prefix: str, **kw: Any
+) -> Any:
+    """A sharded_rdt trainer over NIXL feeding every replica's client (fanned out)."""
     from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo
 
-    for actor in replicas:
-        assert generate(actor) == references.outputs(INITIAL_SEED)
-    clients = [VersionedClient(RayVLLMWeightSyncClient(a, timeout=120.0)) for a in replicas]
-    source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
     info = ShardedRDTTrainerInitInfo(
         rank=0,
         num_consumers=REPLICAS,
         num_replicas=REPLICAS,
         transport="nixl",
-        producer_prefix="wt-vllm-rdt",
+        producer_prefix=prefix,
         timeout_s=120.0,
         stall_timeout_s=30.0,
         actor_env=LOOPBACK_ENV,
+        **kw,
     )
-    trainer = ShardedRDTTrainerEngine.trainer_init(
-        info, client=FanOutClient(clients), source=source
-    )
+    return ShardedRDTTrainerEngine.trainer_init(info, client=FanOutClient(clients), source=source)
+
+
+def test_two_replicas_pull_over_nixl(replicas: list[Any], references: References) -> None:
+    for actor in replicas:
+        assert generate(actor) == references.outputs(INITIAL_SEED)
+    source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
+    clients = clients_of(replicas)
+    trainer = nixl_trainer(clients, source, "wt-vllm-rdt")
     try:
         metas: list[ParamMeta] = source.metadata()
         total = sum(m.nbytes for m in metas)
@@ -170,23 +186,9 @@ def test_a_restarted_replica_is_readmitted_at_the_next_sync(
     as a new actor, while the trainer keeps running: the next `send_weights` finds it
     without a transfer engine (its start is refused with `NO_GROUP`), sends every
     replica its handshake again (`reconnect`) and syncs both; a further sync works."""
-    from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo
-
-    clients = [VersionedClient(RayVLLMWeightSyncClient(a, timeout=120.0)) for a in replicas]
     source = SwitchSource(ModuleSource(hf_model(2)))
-    info = ShardedRDTTrainerInitInfo(
-        rank=0,
-        num_consumers=REPLICAS,
-        num_replicas=REPLICAS,
-        transport="nixl",
-        producer_prefix="wt-vllm-rdt-restart",
-        timeout_s=120.0,
-        stall_timeout_s=30.0,
-        actor_env=LOOPBACK_ENV,
-    )
-    trainer = ShardedRDTTrainerEngine.trainer_init(
-        info, client=FanOutClient(clients), source=source
-    )
+    clients = clients_of(replicas)
+    trainer = nixl_trainer(clients, source, "wt-vllm-rdt-restart")
     try:
         trainer.send_weights()
         cluster.kill(replicas[1])
@@ -208,24 +210,9 @@ def test_verified_bytes_in_live_engines(replicas: list[Any], references: Referen
     """verify=True inside vLLM: a clean sync matches a fresh engine; a byte flipped in
     replica 1's receive slot fails the sync naming the parameter, both replicas keep
     serving the previous weights, and the next sync works."""
-    from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo
-
-    clients = [VersionedClient(RayVLLMWeightSyncClient(a, timeout=120.0)) for a in replicas]
     source = SwitchSource(ModuleSource(hf_model(3)))
-    info = ShardedRDTTrainerInitInfo(
-        rank=0,
-        num_consumers=REPLICAS,
-        num_replicas=REPLICAS,
-        transport="nixl",
-        producer_prefix="wt-vllm-rdt-verify",
-        timeout_s=120.0,
-        stall_timeout_s=30.0,
-        actor_env=LOOPBACK_ENV,
-        verify=True,
-    )
-    trainer = ShardedRDTTrainerEngine.trainer_init(
-        info, client=FanOutClient(clients), source=source
-    )
+    clients = clients_of(replicas)
+    trainer = nixl_trainer(clients, source, "wt-vllm-rdt-verify", verify=True)
     name = "model.layers.1.mlp.down_proj.weight"
     try:
         trainer.send_weights()

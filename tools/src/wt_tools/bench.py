@@ -282,10 +282,11 @@ def live(layers: int, repeats: int, work: str) -> dict[str, Any]:
         "wire: the trainer waiting on its sends):"
     )
     print(f"{'method':<34} " + " ".join(f"{p:>13}" for p in PHASES))
-    for name, rounds in phases.items():
-        seconds, med = _median_phases(rounds), statistics.median(times[name])
-        shares = [f"{seconds[p]:6.3f} {seconds[p] / med:5.0%}" for p in PHASES]
-        print(f"{name:<34} " + " ".join(f"{s:>13}" for s in shares))
+    for row in rows:
+        seconds = row["phases_s"]
+        if seconds:
+            shares = [f"{seconds[p]:6.3f} {seconds[p] / row['median_s']:5.0%}" for p in PHASES]
+            print(f"{row['method']:<34} " + " ".join(f"{s:>13}" for s in shares))
     for _, engine in connected.values():
         engine.shutdown()
     sharded = [measure(tp, layers=2 if layers <= 2 else 8, repeats=repeats) for tp in (1, 2, 4)]
