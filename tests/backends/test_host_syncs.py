@@ -1,11 +1,12 @@
 """The data plane's cost per tensor, counted deterministically (no timing).
 
 One warm round of 1,000 and of 8,000 small tensors, nccl and ipc (sharded_rdt's
-count, per gather group, is in its loopback tests; sparse_nccl has no finite
-check and no per-tensor packing): the host
-syncs (`wt_tools.counting.HostSyncs`) on the trainer and in each worker process
-must not grow with the tensor count (at most 2 per bucket), and the trainer
-thread's aten ops stay at most 4 per tensor. On a GPU every host sync stalls
+count, per gather group, is in its loopback tests): the host syncs
+(`wt_tools.counting.HostSyncs`) on the trainer and in each worker process must
+not grow with the tensor count (at most 2 per bucket), and the trainer
+thread's aten ops stay at most 4 per tensor. sparse_nccl, a round of 1,000 and
+of 8,000 patches: its index checks (range, uniqueness) run batched, so host
+syncs stay a constant per batch on both sides. On a GPU every host sync stalls
 the pipeline until the device drains, so these counts are its speed.
 """
 
@@ -95,3 +96,56 @@ def test_a_warm_round_costs_host_syncs_per_bucket_not_per_tensor(backend: str) -
                 f"{where}: the trainer thread ran {trainer_ops.total} aten ops: "
                 f"{trainer_ops.counts.most_common(6)}"
             )
+
+
+SPARSE_MODEL = "tests.backends.test_host_syncs:many_parameters"
+MAX_SPARSE_SYNCS = 4  # per batch and side, whatever its number of patches
+
+
+def many_parameters() -> torch.nn.Module:
+    """8,000 small float32 parameters `layers.<i>.w` (a worker's model for sparse_nccl)."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList()
+    for _ in range(max(SIZES)):
+        layer = torch.nn.Module()
+        layer.register_parameter("w", torch.nn.Parameter(torch.zeros(32), requires_grad=False))
+        model.layers.append(layer)
+    return model
+
+
+def test_a_sparse_batch_costs_host_syncs_per_batch_not_per_patch() -> None:
+    from wt_sparse_nccl import SparseNCCLTrainerInitInfo, SparseWeightPatch
+
+    g = torch.Generator().manual_seed(3)
+    with WorkerPool("sparse_nccl", 1, model_factory=SPARSE_MODEL) as pool:
+        info = SparseNCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, timeout_s=60.0)
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=pool.client())
+        try:
+            for n in SIZES:
+                patches = [
+                    SparseWeightPatch(
+                        f"layers.{i}.w",
+                        torch.randperm(32, generator=g)[:4],
+                        torch.randn(4, generator=g),
+                        (32,),
+                    )
+                    for i in range(n)
+                ]
+                engine.send_weights(patches[:8])  # cold
+                pool.each("count_host_syncs")
+                with HostSyncs() as trainer_syncs:
+                    engine.send_weights(patches)
+                (worker_syncs,) = pool.each("host_syncs")
+                (state,) = pool.each("state_dict")
+                for patch in patches:  # every entry landed where its patch says
+                    got = state[patch.name].view(-1)[patch.indices]
+                    assert torch.equal(got, patch.values), patch.name
+                where = f"sparse_nccl, {n} patches"
+                assert trainer_syncs.total <= MAX_SPARSE_SYNCS, (
+                    f"{where}: the trainer made {dict(trainer_syncs.counts)} host syncs"
+                )
+                assert sum(worker_syncs.values()) <= MAX_SPARSE_SYNCS, (
+                    f"{where}: the worker made {worker_syncs} host syncs"
+                )
+        finally:
+            engine.shutdown()

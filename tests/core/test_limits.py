@@ -98,3 +98,19 @@ def test_a_round_larger_than_the_model_is_refused_before_anything_is_allocated()
     # a model with no parameters of its own: the host's limit still applies
     with pytest.raises(ValueError, match="bytes, over the limit of"):
         check_declared([ParamMeta("x", torch.float32, (10**12,))], torch.nn.ReLU(), what="u")
+
+
+def test_a_layout_that_passed_is_not_walked_again_and_a_changed_one_is_checked() -> None:
+    model = ExampleNet()
+    numel = sum(p.numel() for p in model.parameters())
+    fits = [ParamMeta(f"p{i}", torch.float32, (numel // 4,)) for i in range(2)]
+    check_declared(fits, model, what="update_info")
+    walks = []
+    original = model.parameters
+    model.parameters = lambda *a, **k: walks.append(1) or original(*a, **k)  # type: ignore[method-assign]
+    check_declared(list(fits), model, what="update_info")
+    assert walks == []  # the same layout: no walk of the model
+    too_many = [*fits, ParamMeta("p2", torch.float32, (3 * numel,))]
+    with pytest.raises(ValueError, match=r"declares 'p2' with"):
+        check_declared(too_many, model, what="update_info")
+    assert walks == [1]

@@ -263,3 +263,55 @@ def test_rotating_buffers_reuse_and_grow() -> None:
     assert len(bufs) == 2
     bufs.release()
     assert bufs.get(0, 1).numel() == 1
+
+
+def test_an_unchanged_layout_gets_the_same_plan_and_a_changed_one_a_new_plan() -> None:
+    metas = random_metas(seed=11)
+    plan = plan_buckets(metas, buffer_bytes=256)
+    again = [ParamMeta(m.name, m.dtype, m.shape) for m in metas]  # equal, not the same objects
+    assert plan_buckets(again, buffer_bytes=256) is plan
+    assert plan_buckets(metas, buffer_bytes=512) is not plan
+    grown = [*metas[:-1], ParamMeta(metas[-1].name, metas[-1].dtype, (1000, 5))]
+    other = plan_buckets(grown, buffer_bytes=256)
+    assert other is not plan and other.params[-1].shape == (1000, 5)
+    check_layout(other, 256, 0)
+
+
+def test_unpacking_through_the_buffers_reuses_their_views_and_stays_exact() -> None:
+    metas = random_metas(seed=5)
+    plan = plan_buckets(metas, buffer_bytes=512)
+    buffers = RotatingBuffers(2, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):  # a second round with new values reuses the first round's views
+        tensors = [make_tensor(m, gen) for m in metas]
+        unpacker = Unpacker(plan, "cpu", buffers)
+        got: dict[str, torch.Tensor] = {}
+        for k, bucket in enumerate(plan.buckets):
+            buf = buffers.get(k, bucket.nbytes)
+            pack(plan, k, tensors, buf)
+            views = {v.data_ptr(): v for v in buffers.views(plan, k)}
+            for name, t in unpacker.unpack(k, buf, view_horizon=len(plan.buckets)):
+                got[name] = t.clone()
+                whole = [p for p in bucket.pieces if plan.params[p.param].name == name]
+                if whole and whole[0].nbytes == plan.params[whole[0].param].nbytes and t.numel():
+                    assert views.get(t.data_ptr()) is t, f"{name}: a new view per round"
+        for meta, tensor in zip(metas, tensors, strict=True):
+            assert digest(got[meta.name]) == digest(tensor), meta.name
+
+
+def test_a_packed_finite_check_ignores_padding_and_names_the_bad_parameter() -> None:
+    from weight_transfer.transport.packing import Packer
+
+    # odd sizes: alignment padding between the pieces; a buffer full of NaN bytes
+    metas = [ParamMeta(f"layers.0.w{i}", torch.float32, (3 + i,)) for i in range(6)]
+    plan = plan_buckets(metas, buffer_bytes=4096)
+    assert len(plan.buckets) == 1
+    buffers = RotatingBuffers(1, "cpu")
+    buffers.get(0, plan.buckets[0].nbytes).view(torch.float32)[:] = float("nan")
+    tensors = [torch.arange(m.numel, dtype=torch.float32) for m in metas]
+    Packer(plan, iter(zip(metas, tensors, strict=True)), finite=True).pack(0, buffers)
+    tensors[4] = tensors[4].clone()
+    tensors[4][2] = float("inf")
+    packer = Packer(plan, iter(zip(metas, tensors, strict=True)), finite=True)
+    with pytest.raises(ValueError, match=r"'layers\.0\.w4' \(parameter #4\)"):
+        packer.pack(0, buffers)

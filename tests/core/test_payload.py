@@ -128,3 +128,26 @@ def test_post_init_validation_surfaces() -> None:
 
     with pytest.raises(ValueError, match="field 'n' must be >= 0"):
         parse_payload(Checked, {"n": -1}, "x")
+
+
+def test_a_repeated_parameter_list_decodes_once_and_a_changed_one_decodes_anew() -> None:
+    from weight_transfer.backend import ParamListUpdateInfo
+
+    n = 2000
+    data = {
+        "names": [f"layers.{i}.w" for i in range(n)],
+        "dtype_names": ["bfloat16"] * n,
+        "shapes": [[4, 8]] * n,
+    }
+    first = parse_payload(ParamListUpdateInfo, data, "update_info")
+    again = parse_payload(ParamListUpdateInfo, data, "update_info")
+    assert all(a is b for a, b in zip(first.metas, again.metas, strict=True))
+    changed = {**data, "shapes": [*data["shapes"][:-1], [8, 8]]}
+    other = parse_payload(ParamListUpdateInfo, changed, "update_info")
+    assert other.metas[-1].shape == (8, 8) and other.metas[0].shape == (4, 8)
+    bad = {**data, "shapes": [*data["shapes"][:-1], [-1, 8]]}
+    with pytest.raises(ValueError, match=rf"'shapes\[{n - 1}\]' has a negative dimension"):
+        parse_payload(ParamListUpdateInfo, bad, "update_info")
+    wrong = {**data, "shapes": [*data["shapes"][:-1], [4, "8"]]}
+    with pytest.raises(ValueError, match=rf"field 'shapes\[{n - 1}\]\[1\]': expected int"):
+        parse_payload(ParamListUpdateInfo, wrong, "update_info")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -75,7 +76,15 @@ def check_staging(nbytes: int, count: int, *, field: str, what: str) -> None:
 
 
 def check_declared(metas: Sequence[ParamMeta], model: torch.nn.Module, *, what: str) -> None:
-    """Refuse a round larger than `model` could hold (see the module doc)."""
+    """Refuse a round larger than `model` could hold (see the module doc).
+
+    A layout this model already passed is not checked again (the same
+    `ParamMeta`s as last round: compared by identity first, so an unchanged
+    model costs no walk of its parameters).
+    """
+    key = tuple(metas)
+    if _passed.get(model) == key:
+        return
     model_numel = sum(p.numel() for p in model.parameters())
     if model_numel:  # a model without parameters of its own: only the host limit applies
         for i, meta in enumerate(metas):
@@ -98,3 +107,10 @@ def check_declared(metas: Sequence[ParamMeta], model: torch.nn.Module, *, what: 
             f"{what}: the round declares {total_bytes} bytes, over the limit of "
             f"{limit_bytes} bytes ({STAGING_FRACTION:.0%} of this host's memory)"
         )
+    _passed[model] = key
+
+
+# The last layout each model passed `check_declared` with; it goes with the model.
+_passed: weakref.WeakKeyDictionary[torch.nn.Module, tuple[ParamMeta, ...]] = (
+    weakref.WeakKeyDictionary()
+)

@@ -169,6 +169,7 @@ class DirectLoader:
         self.undo = undo
         self.exact_undo = undo
         self._saved: set[str] | None = None  # names set aside this round
+        self._params: dict[str, torch.Tensor] | None = None
         self._prepared = False
         self._kept: set[str] | None = None  # names of a committed round kept for revert()
 
@@ -176,24 +177,32 @@ class DirectLoader:
         return _UNDO.setdefault(self.model, {})
 
     def _set_aside(self, name: str, param: torch.Tensor) -> None:
+        self._set_aside_all([(name, param)])
+
+    def _set_aside_all(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy `params` into their undo buffers, in one batched copy."""
         assert self._saved is not None
-        if not self.undo:
+        if not self.undo or not params:
             return
         store = self._undo_store()
-        saved = store.get(name)
-        if saved is None or saved.shape != param.shape or saved.dtype != param.dtype:
-            saved = store[name] = torch.empty_like(param)
-        saved.copy_(param.detach())
-        self._saved.add(name)
+        saved = []
+        for name, param in params:
+            buffer = store.get(name)
+            if buffer is None or buffer.shape != param.shape or buffer.dtype != param.dtype:
+                buffer = store[name] = torch.empty_like(param)
+            saved.append(buffer)
+            self._saved.add(name)
+        torch._foreach_copy_(saved, [p.detach() for _, p in params])
 
     def begin(self) -> None:
-        params = dict(self.model.named_parameters())
+        params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         own_loader = callable(getattr(self.model, "load_weights", None))
         if not own_loader and not params:
             raise TypeError(
                 f"{type(self.model).__name__} has neither load_weights(weights) nor "
                 "parameters: DirectLoader cannot load weights into it"
             )
+        self._params = params  # the round's parameters by name, walked once
         self._saved = set()
         self._prepared = False
 
@@ -207,8 +216,7 @@ class DirectLoader:
         self._prepared = True
         if callable(getattr(self.model, "load_weights", None)) and self.undo:
             with torch.no_grad():
-                for name, param in self.model.named_parameters():
-                    self._set_aside(name, param)
+                self._set_aside_all(list(self.model.named_parameters()))
 
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self.prepare()
@@ -220,21 +228,31 @@ class DirectLoader:
                 self._copy_by_name(weights)
 
     def _copy_by_name(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each tensor into the parameter of its name: the checks per tensor, the
+        undo record and the copies each one batched copy per call."""
         assert self._saved is not None
-        params = dict(self.model.named_parameters())
+        params = self._params if self._params is not None else dict(self.model.named_parameters())
+        fresh: list[tuple[str, torch.Tensor]] = []  # parameters first overwritten now
+        first: set[str] = set()
+        into: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for name, tensor in weights:
+            param = params.get(name)
+            if param is None:
+                raise KeyError(f"{type(self.model).__name__} has no parameter named {name!r}")
+            if param.shape != tensor.shape or param.dtype != tensor.dtype:
+                raise ValueError(
+                    f"{name!r}: received {tensor.dtype} {list(tensor.shape)}, the "
+                    f"parameter is {param.dtype} {list(param.shape)}"
+                )
+            if name not in self._saved and name not in first:
+                first.add(name)
+                fresh.append((name, param))
+            into.append(param)
+            values.append(tensor)
         with torch.no_grad():
-            for name, tensor in weights:
-                param = params.get(name)
-                if param is None:
-                    raise KeyError(f"{type(self.model).__name__} has no parameter named {name!r}")
-                if param.shape != tensor.shape or param.dtype != tensor.dtype:
-                    raise ValueError(
-                        f"{name!r}: received {tensor.dtype} {list(tensor.shape)}, the "
-                        f"parameter is {param.dtype} {list(param.shape)}"
-                    )
-                if name not in self._saved:
-                    self._set_aside(name, param)
-                param.copy_(tensor)
+            self._set_aside_all(fresh)
+            torch._foreach_copy_(into, values)
 
     # -- slices ------------------------------------------------------------
     @contextlib.contextmanager
@@ -271,11 +289,11 @@ class DirectLoader:
         """Nothing: a plain model has no post-load processing."""
 
     def commit(self, keep_undo: bool = False) -> None:
-        saved, self._saved = self._saved, None
+        saved, self._saved, self._params = self._saved, None, None
         self._kept = saved if keep_undo and self.undo else None
 
     def abort(self) -> None:
-        saved, self._saved = self._saved, None
+        saved, self._saved, self._params = self._saved, None, None
         self._restore(saved)
 
     def revert(self) -> None:
@@ -293,8 +311,7 @@ class DirectLoader:
         params = dict(self.model.named_parameters())
         store = self._undo_store()
         with torch.no_grad():
-            for name in names:
-                params[name].copy_(store[name])
+            torch._foreach_copy_([params[n] for n in names], [store[n] for n in names])
 
 
 # Undo buffers per model (see `DirectLoader`); they go with the model.

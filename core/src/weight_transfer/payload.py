@@ -10,8 +10,10 @@ lists) and `dict[str, T]`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -25,56 +27,124 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+Check = Callable[[Any, str], None]
+
+# Exact types a JSON value of each primitive annotation may have (`True` is no `int`).
+_EXACT: dict[Any, tuple[type, ...]] = {
+    bool: (bool,),
+    int: (int,),
+    float: (int, float),
+    str: (str,),
+    type(None): (type(None),),
+}
+
+
 def _check(value: Any, tp: Any, path: str) -> None:
     """Raise ValueError naming `path` unless `value` fits type `tp`."""
+    _checker(tp)(value, path)
+
+
+def _checker(tp: Any) -> Check:
+    """The check for annotation `tp`, built once per annotation.
+
+    A list of a primitive type is checked in one pass over its items (an
+    update info carries tens of thousands); only a list that fails is walked
+    again to name the first bad index.
+    """
+    return _build(tp, repr(tp))  # `int | None == Optional[int]`: errors spell it as written
+
+
+@functools.cache
+def _build(tp: Any, spelled: str) -> Check:
     if tp is Any or tp is object:
-        return
+        return _accept
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        errors = []
-        for option in typing.get_args(tp):
-            try:
-                _check(value, option, path)
-                return
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(f"field {path!r}: expected {_type_name(tp)}, got {value!r:.80}")
-    if tp is type(None):
-        if value is not None:
-            raise ValueError(f"field {path!r}: expected None, got {value!r:.80}")
-        return
+        return _union_checker(tp)
+    if tp in _EXACT:
+        return _primitive_checker(tp)
     if origin in (list, tuple):
+        args = typing.get_args(tp)
+        return _list_checker(args[0] if args else Any)
+    if origin is dict:
+        args = typing.get_args(tp)
+        return _dict_checker(args[1] if len(args) == 2 else Any)
+    if isinstance(tp, type):
+        return _primitive_checker(tp)
+    return _accept  # an annotation this parser does not know: accept, the engine validates
+
+
+def _accept(value: Any, path: str) -> None:
+    return None
+
+
+def _primitive_checker(tp: type) -> Check:
+    exact = _EXACT.get(tp)
+    expected = "None" if tp is type(None) else _type_name(tp)
+
+    def check(value: Any, path: str) -> None:
+        ok = type(value) in exact if exact is not None else isinstance(value, tp)
+        if not ok:
+            got = "" if tp is type(None) else f"{type(value).__name__} "
+            raise ValueError(f"field {path!r}: expected {expected}, got {got}{value!r:.80}")
+
+    return check
+
+
+def _union_checker(tp: Any) -> Check:
+    options = [_checker(option) for option in typing.get_args(tp)]
+
+    def check(value: Any, path: str) -> None:
+        for option in options:
+            try:
+                option(value, path)
+                return
+            except ValueError:
+                continue
+        raise ValueError(f"field {path!r}: expected {_type_name(tp)}, got {value!r:.80}")
+
+    return check
+
+
+def _list_checker(item_tp: Any) -> Check:
+    item = _checker(item_tp)
+    exact = _EXACT.get(item_tp)
+    inner = typing.get_origin(item_tp) in (list, tuple) and typing.get_args(item_tp)[:1]
+    inner_exact = _EXACT.get(typing.get_args(item_tp)[0]) if inner else None
+
+    def fits(value: Any) -> bool:
+        """The one-pass test of the common cases; False means "walk to find out"."""
+        if exact is not None:
+            return all(type(v) in exact for v in value)
+        if inner_exact is not None:  # a list of lists of a primitive (shapes)
+            return all(
+                type(v) in (list, tuple) and all(type(x) in inner_exact for x in v) for v in value
+            )
+        return item is _accept
+
+    def check(value: Any, path: str) -> None:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"field {path!r}: expected a list, got {type(value).__name__}")
-        args = typing.get_args(tp)
-        item_tp = args[0] if args else Any
-        for i, item in enumerate(value):
-            _check(item, item_tp, f"{path}[{i}]")
-        return
-    if origin is dict:
+        if fits(value):
+            return
+        for i, v in enumerate(value):
+            item(v, f"{path}[{i}]")
+
+    return check
+
+
+def _dict_checker(val_tp: Any) -> Check:
+    val = _checker(val_tp)
+
+    def check(value: Any, path: str) -> None:
         if not isinstance(value, dict):
             raise ValueError(f"field {path!r}: expected an object, got {type(value).__name__}")
-        args = typing.get_args(tp)
-        val_tp = args[1] if len(args) == 2 else Any
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ValueError(f"field {path!r}: keys must be strings, got {k!r:.80}")
-            _check(v, val_tp, f"{path}[{k!r}]")
-        return
-    if tp is bool:
-        ok = isinstance(value, bool)
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif isinstance(tp, type):
-        ok = isinstance(value, tp)
-    else:  # an annotation this parser does not know: accept, the engine validates
-        ok = True
-    if not ok:
-        raise ValueError(
-            f"field {path!r}: expected {_type_name(tp)}, got {type(value).__name__} {value!r:.80}"
-        )
+            val(v, f"{path}[{k!r}]")
+
+    return check
 
 
 def parse_payload(cls: type[T], data: Any, what: str) -> T:
@@ -90,7 +160,7 @@ def parse_payload(cls: type[T], data: Any, what: str) -> T:
             f"{what}: unknown field {unknown[0]!r} for {cls.__name__} "
             f"(accepted fields: {', '.join(sorted(fields))})"
         )
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     for name, f in fields.items():
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if name not in data:
@@ -102,6 +172,11 @@ def parse_payload(cls: type[T], data: Any, what: str) -> T:
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
     return cls(**data)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def payload_of(info: Any) -> dict[str, Any]:

@@ -78,12 +78,37 @@ def param_list_digests(payload: dict[str, Any]) -> list[int]:
     update info it was handed declares exactly the layout the trainer sends,
     and name the field that differs when it does not.
     """
+    raw = _raw_layout(payload)
+    last = _last_layout
+    if last is not None and last[2] is not None and last[0] == raw:
+        return list(last[2])
     digests = []
     for name in PARAM_LIST_FIELDS:
         text = json.dumps(payload[name], separators=(",", ":")).encode()
-        raw = hashlib.blake2b(text, digest_size=8).digest()
-        digests.append(int.from_bytes(raw, "little", signed=True))
+        digest = hashlib.blake2b(text, digest_size=8).digest()
+        digests.append(int.from_bytes(digest, "little", signed=True))
+    if last is not None and last[0] == raw:
+        _remember(raw, last[1], digests)
     return digests
+
+
+# The last parameter list decoded (`names, dtype_names, shapes`), its decoded
+# `ParamMeta`s and its digests (None until asked for): a model's layout arrives
+# unchanged round after round, and decoding tens of thousands of entries costs
+# more than comparing the lists. Replaced whole, never mutated.
+_last_layout: tuple[tuple[Any, ...], list[ParamMeta], list[int] | None] | None = None
+
+
+def _raw_layout(payload: Any) -> tuple[Any, ...]:
+    get = payload.get if isinstance(payload, dict) else lambda f: getattr(payload, f)
+    return tuple(get(f) for f in PARAM_LIST_FIELDS)
+
+
+def _remember(raw: tuple[Any, ...], metas: list[ParamMeta], digests: list[int] | None) -> None:
+    global _last_layout
+    # copies: the caller's lists may change after this round
+    kept = tuple([list(x) if isinstance(x, list) else x for x in v] for v in raw)
+    _last_layout = (kept, metas, digests)
 
 
 @dataclass
@@ -100,6 +125,10 @@ class ParamListUpdateInfo(WeightTransferUpdateInfo):
     metas: list[ParamMeta] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        last = _last_layout
+        if last is not None and last[0] == _raw_layout(self):
+            self.metas = list(last[1])  # the ParamMetas are shared: frozen, compared by identity
+            return
         for name in ("dtype_names", "shapes"):
             if len(getattr(self, name)) != len(self.names):
                 raise ValueError(
@@ -115,6 +144,7 @@ class ParamListUpdateInfo(WeightTransferUpdateInfo):
                 zip(self.names, self.dtype_names, self.shapes, strict=True)
             )
         ]
+        _remember(_raw_layout(self), list(self.metas), None)
 
 
 class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):

@@ -25,6 +25,7 @@ source iteration, a batched copy and at most one host read per bucket;
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,7 +136,39 @@ def plan_buckets(
     them in metadata order. `max_pieces` (default: no limit) also closes a
     bucket that holds that many pieces, as a full one is closed (a fixed
     staging buffer keeps one digest per piece: `digest.DigestRoom`).
+
+    The plans of the last few layouts are kept: the same layout gets the same
+    `BucketPlan` object, round after round and on both sides of an in-process
+    wire, so what is derived once per plan (its buffers' piece views, its
+    digest layouts) is made once.
     """
+    key = (tuple(metas), buffer_bytes, min_bucket_bytes, max_pieces)
+    if groups is None:
+        with _recent_lock:
+            for i, (kept, plan) in enumerate(_recent_plans):
+                if kept == key:
+                    _recent_plans.insert(0, _recent_plans.pop(i))
+                    return plan
+    plan = _plan_buckets(metas, buffer_bytes, min_bucket_bytes, groups, max_pieces)
+    if groups is None:
+        with _recent_lock:
+            _recent_plans.insert(0, (key, plan))
+            del _recent_plans[_RECENT_PLANS:]
+    return plan
+
+
+_RECENT_PLANS = 4
+_recent_lock = threading.Lock()
+_recent_plans: list[tuple[tuple[Any, ...], BucketPlan]] = []
+
+
+def _plan_buckets(
+    metas: Sequence[ParamMeta],
+    buffer_bytes: int,
+    min_bucket_bytes: int,
+    groups: Sequence[Sequence[str]] | None,
+    max_pieces: int | None,
+) -> BucketPlan:
     if buffer_bytes < ALIGNMENT:
         raise ValueError(f"buffer_bytes must be at least {ALIGNMENT}, got {buffer_bytes}")
     if max_pieces is not None and max_pieces < 1:
@@ -335,6 +368,7 @@ class Packer:
         sources: list[torch.Tensor] = []
         checked: list[torch.Tensor] = []  # in piece order: what `finite` checks
         checked_params: list[int] = []
+        split: list[torch.Tensor] = []  # of those, the split parameters' source tensors
         for piece, view in zip(bucket.pieces, views, strict=True):
             whole = piece.nbytes == self.plan.params[piece.param].nbytes
             if whole or piece.start == 0:
@@ -342,6 +376,8 @@ class Packer:
                 if self.finite:
                     checked.append(view if whole else tensor)
                     checked_params.append(piece.param)
+                    if not whole:
+                        split.append(tensor)
                 if whole:
                     if piece.nbytes:
                         targets.append(view)
@@ -356,11 +392,23 @@ class Packer:
                 torch._foreach_copy_(targets, sources)
         if checked:
             with timed("check"):
-                bad = first_non_finite(checked)
+                bad = self._first_non_finite(k, out, checked, split)
             if bad is not None:
                 param = checked_params[bad]
                 raise non_finite_error(self.plan.params[param].name, param)
         return out
+
+    def _first_non_finite(
+        self, k: int, out: torch.Tensor, checked: list[torch.Tensor], split: list[torch.Tensor]
+    ) -> int | None:
+        """`first_non_finite(checked)`, reduced over the packed bucket `out`: one norm
+        per run of adjacent whole pieces of one floating dtype (`float_runs`) instead of
+        one per tensor, and one per `split` parameter; only a bucket that fails is
+        looked at tensor by tensor, to name the parameter."""
+        reduced = [out[a:b].view(dtype) for dtype, a, b in float_runs(self.plan, k)]
+        if first_non_finite(reduced + split) is None:
+            return None
+        return first_non_finite(checked)
 
     def whole(self, k: int) -> torch.Tensor:
         """Bucket `k`'s only parameter as it came from the source (a plan of one
@@ -375,6 +423,28 @@ class Packer:
         """Run the source to its end (the check for an extra parameter runs there)."""
         for _ in self.pairs:
             pass
+
+
+def float_runs(plan: BucketPlan, k: int) -> list[tuple[torch.dtype, int, int]]:
+    """Bucket `k`'s whole floating pieces as maximal runs `(dtype, start, end)` of
+    adjacent bytes of one dtype (alignment padding ends a run: its bytes are not
+    the source's). Made once per plan."""
+    every = plan.derived.get("float_runs")
+    if every is None:
+        every = plan.derived["float_runs"] = {}
+    runs = every.get(k)
+    if runs is None:
+        runs = []
+        for piece in plan.buckets[k].pieces:
+            meta = plan.params[piece.param]
+            if piece.nbytes == 0 or piece.nbytes != meta.nbytes or not meta.dtype.is_floating_point:
+                continue
+            if runs and runs[-1][0] == meta.dtype and runs[-1][2] == piece.offset:
+                runs[-1] = (meta.dtype, runs[-1][1], piece.offset + piece.nbytes)
+            else:
+                runs.append((meta.dtype, piece.offset, piece.offset + piece.nbytes))
+        every[k] = runs
+    return runs
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -435,6 +505,12 @@ class RotatingBuffers:
             self._views[slot] = (None, {})
         return buf[:nbytes]
 
+    def holds(self, k: int, buf: torch.Tensor) -> bool:
+        """Whether `buf` is what `get(k, ...)` returned (bucket `k`'s slot, from its start)."""
+        return (
+            buf.numel() == 0 or buf.data_ptr() == self._buffers[k % len(self._buffers)].data_ptr()
+        )
+
     def views(self, plan: BucketPlan, k: int) -> list[torch.Tensor]:
         """`piece_view`s of bucket `k` of `plan` in its buffer (which `get(k, ...)`
         sized), in piece order; made at the first call for this plan and buffer."""
@@ -464,11 +540,21 @@ class Unpacker:
     consumer that keeps a group's tensors until the group is complete (vLLM's
     layerwise reload does) must not see them change when `buf` is reused. A
     split parameter is assembled in its own tensor.
+
+    With `buffers` (the `RotatingBuffers` every `buf` comes from, as
+    `buffers.get(k, ...)`), the views are the buffers' own (`RotatingBuffers.views`),
+    made once per plan: a warm round makes no per-tensor views.
     """
 
-    def __init__(self, plan: BucketPlan, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        plan: BucketPlan,
+        device: torch.device | str,
+        buffers: RotatingBuffers | None = None,
+    ) -> None:
         self.plan = plan
         self.device = torch.device(device)
+        self.buffers = buffers
         self._partial: dict[int, torch.Tensor] = {}
 
     def unpack(
@@ -477,14 +563,19 @@ class Unpacker:
         with timed("unpack"):
             return self._unpack(k, buf, view_horizon)
 
+    def _views(self, k: int, buf: torch.Tensor) -> list[torch.Tensor]:
+        if self.buffers is not None and self.buffers.holds(k, buf):
+            return self.buffers.views(self.plan, k)
+        return [piece_view(buf, p, self.plan.params[p.param]) for p in self.plan.buckets[k].pieces]
+
     def _unpack(
         self, k: int, buf: torch.Tensor, view_horizon: int
     ) -> list[tuple[str, torch.Tensor]]:
         out: list[tuple[str, torch.Tensor]] = []
-        for piece in self.plan.buckets[k].pieces:
-            meta = self.plan.params[piece.param]
-            data = buf[piece.offset : piece.offset + piece.nbytes]
-            if piece.nbytes != meta.nbytes:
+        params, group_end = self.plan.params, self.plan.group_end
+        for piece, data in zip(self.plan.buckets[k].pieces, self._views(k, buf), strict=True):
+            meta = params[piece.param]
+            if piece.nbytes != meta.nbytes:  # `data` is the piece's bytes
                 whole = self._partial.get(piece.param)
                 if whole is None:
                     whole = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.device)
@@ -492,8 +583,8 @@ class Unpacker:
                 whole[piece.start : piece.start + piece.nbytes].copy_(data)
                 if piece.start + piece.nbytes < meta.nbytes:
                     continue
-                data = self._partial.pop(piece.param)
-            elif self.plan.group_end[piece.param] - k > view_horizon:
+                data = self._partial.pop(piece.param).view(meta.dtype).view(meta.shape)
+            elif group_end[piece.param] - k > view_horizon:
                 data = data.clone()
-            out.append((meta.name, data.view(meta.dtype).view(meta.shape)))
+            out.append((meta.name, data))
         return out

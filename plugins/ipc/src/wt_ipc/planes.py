@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from weight_transfer.backend import SharedSegment, parse_payload, payload_of
+from weight_transfer.backend import RotatingBuffers, SharedSegment, parse_payload, payload_of
 from wt_ipc.protocol import SEAL_BYTES, StagingSeal
 
 __all__ = ["TrainerStaging", "WorkerStaging", "CudaRecord", "device_uuid", "local_cuda_index"]
@@ -205,6 +205,8 @@ class WorkerStaging:
         self.plane = plane
         self.slots = slots
         self._segments = segments
+        # the slots as rotating buffers: their piece views are made once per layout
+        self.rotating = RotatingBuffers.over(slots)
 
     @property
     def device(self) -> torch.device:
@@ -259,6 +261,7 @@ class WorkerStaging:
 
     def close(self) -> None:
         self.slots = []
+        self.rotating.release()
         for segment in self._segments:
             segment.close()
         self._segments = []

@@ -51,7 +51,6 @@ from weight_transfer.backend import (
     check_declared,
     connect_local,
     param_list_digests,
-    param_list_payload,
 )
 from wt_ipc.planes import WorkerStaging
 from wt_ipc.protocol import (
@@ -172,7 +171,7 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
                 link.send(Frame(RELEASED, round_id, 0, upto))
                 released = upto
 
-        unpacker = Unpacker(plan, staging.device)
+        unpacker = Unpacker(plan, staging.device, staging.rotating)
         assert self.wire is not None
         room = digest_room(self.wire) if self.wire.verify else None
         pipeline = LoadPipeline(self.loader.load, len(slots), self.timeout_s, name="wt-ipc-load")
@@ -216,7 +215,7 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
                     f"control link out of step: expected the layout digest of {name!r}, got {frame}"
                 )
             theirs.append(frame.value)
-        ours = param_list_digests(param_list_payload(update_info.metas))
+        ours = param_list_digests(vars(update_info))
         for name, mine, trainer in zip(PARAM_LIST_FIELDS, ours, theirs, strict=True):
             if mine != trainer:
                 raise AlignedFailure(

@@ -108,7 +108,7 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         declared = param_list_digests(vars(update_info))
         loader = self.loader
         with self.channel.on_wire("receiving a round") as group:
-            unpacker = Unpacker(plan, group.device)
+            unpacker = Unpacker(plan, group.device, buffers if wire.packed else None)
             pipeline = LoadPipeline(loader.load, len(buffers), group.timeout_s, name="wt-nccl-load")
             try:
                 for k, bucket in enumerate(plan.buckets):

@@ -16,7 +16,13 @@ import torch
 
 from weight_transfer.backend import dtype_name
 
-__all__ = ["INDEX_DTYPES", "SparseWeightPatch", "check_indices", "check_patches"]
+__all__ = [
+    "INDEX_DTYPES",
+    "SparseWeightPatch",
+    "check_indices",
+    "check_indices_of",
+    "check_patches",
+]
 
 INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
 
@@ -65,6 +71,41 @@ def check_indices(indices: torch.Tensor, numel: int, where: str) -> None:
             raise ValueError(f"{where}: index {value} appears more than once")
 
 
+def check_indices_of(patches: Sequence[SparseWeightPatch], where: Sequence[str]) -> None:
+    """`check_indices` of every patch (`where[i]` names patch `i` in the error), batched:
+    a fixed number of ops over all the indices at once and one host read, whatever
+    the number of patches; only a batch that fails is checked patch by patch to
+    name the first bad one.
+
+    Each patch's positions are moved into a range of their own (its offset:
+    the elements of the patches before it), so one sort of all of them finds a
+    position repeated within a patch and none across patches.
+    """
+    counts = [p.nnz for p in patches]
+    if sum(counts) == 0:
+        return
+    device = patches[0].indices.device
+    if any(p.indices.device != device for p in patches):
+        for patch, named in zip(patches, where, strict=True):
+            check_indices(patch.indices, patch.numel, named)
+        return
+    numels = [p.numel for p in patches]
+    offsets = [0]
+    for n in numels[:-1]:
+        offsets.append(offsets[-1] + n)
+    flat = torch.cat([p.indices for p in patches]).to(torch.int64)
+    per_entry = torch.tensor([numels, offsets], dtype=torch.int64, device=device)
+    per_entry = per_entry.repeat_interleave(
+        torch.tensor(counts, dtype=torch.int64, device=device), dim=1, output_size=flat.numel()
+    )
+    outside = (flat < 0) | (flat >= per_entry[0])
+    ordered = torch.sort(flat + per_entry[1]).values
+    bad = outside.any() | (ordered[1:] == ordered[:-1]).any()
+    if bool(bad):
+        for patch, named in zip(patches, where, strict=True):
+            check_indices(patch.indices, patch.numel, named)
+
+
 def _check_patch(patch: SparseWeightPatch, where: str) -> None:
     if not isinstance(patch.name, str) or not patch.name:
         raise ValueError(f"{where}: name must be a non-empty string")
@@ -91,7 +132,6 @@ def _check_patch(patch: SparseWeightPatch, where: str) -> None:
         raise ValueError(
             f"{where}: {patch.indices.numel()} indices but {patch.values.numel()} values"
         )
-    check_indices(patch.indices, patch.numel, where)
 
 
 def check_patches(patches: Sequence[SparseWeightPatch]) -> None:
@@ -99,7 +139,10 @@ def check_patches(patches: Sequence[SparseWeightPatch]) -> None:
 
     Raises `TypeError` for an entry that is not a `SparseWeightPatch`.
     """
+    where = []
     for i, patch in enumerate(patches):
         if not isinstance(patch, SparseWeightPatch):
             raise TypeError(f"patch {i}: expected a SparseWeightPatch, got {type(patch).__name__}")
-        _check_patch(patch, f"patch {i} ({patch.name!r})")
+        where.append(f"patch {i} ({patch.name!r})")
+        _check_patch(patch, where[-1])
+    check_indices_of(patches, where)

@@ -57,7 +57,7 @@ from weight_transfer.backend import (
     is_vllm_config,
     join_group,
 )
-from wt_sparse_nccl.patch import SparseWeightPatch, check_indices
+from wt_sparse_nccl.patch import SparseWeightPatch, check_indices_of
 from wt_sparse_nccl.wire import (
     HEADER_WORDS,
     BatchHeader,
@@ -320,10 +320,10 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
         if self.verify:
             self._check_digests(update_info, groups, received)
         patches = self._patches(update_info, groups, [data for data, _ in received], device)
-        for i, patch in enumerate(patches):
-            where = f"sparse_nccl: patch {i} ({patch.name!r})"
-            check_indices(patch.indices, patch.numel, where)
-            patcher.check(patch, where)
+        where = [f"sparse_nccl: patch {i} ({p.name!r})" for i, p in enumerate(patches)]
+        check_indices_of(patches, where)
+        for patch, named in zip(patches, where, strict=True):
+            patcher.check(patch, named)
         for patch in patches:
             patcher.apply(patch)
 
