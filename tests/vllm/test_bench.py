@@ -76,6 +76,13 @@ def test_quick_bench_produces_every_figure(tmp_path: Path) -> None:
     assert "Where a wt round's time goes" in (out / "bench.md").read_text()
     shares = [max(t["bytes_per_worker"]) / t["model_bytes"] for t in live["sharded_rdt_tp"]]
     assert shares[0] == 1.0 and 0.45 < shares[1] < 0.55 and 0.2 < shares[2] < 0.3
+    moe = results["live_moe"]  # a live MoE engine per backend, exact after its syncs
+    synced = {r["method"]: r for r in moe["rows"]}
+    assert synced["wt_nccl packed"]["tokens_equal_fresh"] is True
+    assert synced["wt_ipc packed"]["tokens_equal_fresh"] is True
+    assert all(r["median_s"] > 0 for r in moe["rows"])
+    assert "fused-MoE layers" in moe["sharded_rdt_refused"]
+    assert "## Live MoE" in (out / "bench.md").read_text()
     targets = results["targets"]
     assert len(targets) >= 8 and all(t["value"] is not None for t in targets), targets
     predictions = results["cost_model"]["predictions"]

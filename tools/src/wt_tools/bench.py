@@ -31,6 +31,11 @@ its engine's undo record (`WT_VLLM_SNAPSHOT`, the default
 `host`): the seconds it took and the bytes it copied and kept alive by reference until
 the round ended, beside the model's size.
 
+Then, in a process of its own, a live MoE model (`wt_tools.moe_bench`: a tiny
+Qwen3-MoE of 64 experts a layer, 3,219 tensors) synced by wt_nccl and wt_ipc
+against vLLM's reload of the same tensors, its tokens checked against a
+fresh engine's; wt_sharded_rdt's refusal of it is reported.
+
 Each round loads alternating weights, so every load really changes the model;
 after the last round the served tokens are checked against the trainer's
 weights. Figures are medians; ratios are against the floor of the same run.
@@ -371,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         results["scenarios"].append(run_scenario(sc, log=lambda m: print(m, flush=True)))
     results["live"] = None if args.no_live else live(layers, repeats, work)
+    results["live_moe"] = None if args.no_live else live_moe(args.quick, repeats, work)
     calibration = cost_model.calibrate(results)
     results["cost_model"] = {
         "calibration": calibration,
@@ -386,6 +392,25 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + markdown)
     print(f"written: {json_path}, {os.path.join(args.out, 'bench.md')}, " + ", ".join(plots))
     return 0
+
+
+def live_moe(quick: bool, repeats: int, work: str) -> dict[str, Any]:
+    """The live MoE block (`wt_tools.moe_bench`), in a process of its own; printed."""
+    from wt_tools import moe_bench
+    from wt_tools.tiny_model import TinyMoESpec
+
+    spec = (
+        TinyMoESpec(num_hidden_layers=1, moe_intermediate_size=64) if quick else moe_bench.MOE_SPEC
+    )
+    result = _in_fresh_process(moe_bench.measure, repeats, work, spec)
+    print(
+        f"\nlive MoE ({result['tensors']} tensors, {result['experts']} experts a layer, "
+        f"{result['bytes'] / 1e6:.0f} MB): each backend against vLLM's reload"
+    )
+    for row in result["rows"]:
+        print(f"{row['method']:<34} {row['median_s']:9.3f} {row['ratio_to_floor']:8.2f}")
+    print(f"wt_sharded_rdt: {result['sharded_rdt_refused']}")
+    return result
 
 
 def _pulled_bytes(worker: Any) -> int:
