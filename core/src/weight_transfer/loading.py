@@ -260,12 +260,12 @@ class DirectLoader:
         """The model's own loading code; its parameters are the real ones (a
         recording tensor's copy writes nothing)."""
         load_weights = getattr(self.model, "load_weights", None)
+        params = dict(self.model.named_parameters())
 
         def load(weights: list[tuple[str, torch.Tensor]]) -> None:
             if callable(load_weights):
                 load_weights(weights)
                 return
-            params = dict(self.model.named_parameters())
             for name, tensor in weights:
                 if name in params:
                     params[name].data.copy_(tensor)
