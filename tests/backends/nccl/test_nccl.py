@@ -79,12 +79,27 @@ def test_two_thousand_small_tensors(pool: WorkerPool, packed: bool) -> None:
     engine.shutdown()
 
 
-def test_tensor_larger_than_buffer_is_split_and_reassembled(pool: WorkerPool) -> None:
+def test_tensor_larger_than_buffer_is_split_and_reassembled_without_a_pack_copy(
+    pool: WorkerPool,
+) -> None:
+    from wt_tools.counting import AtenOps
+
     big = torch.randn(10_000, generator=torch.Generator().manual_seed(3))  # 40 KB
     tensors = {"a.weight": torch.arange(5, dtype=torch.int16), "b.weight": big}
     pool.each("set_names", list(tensors))
     engine = connect(pool, DictSource(tensors), packed_buffer_size_bytes=4096)
-    assert len(engine.plan_for(DictSource(tensors).metadata()).buckets) >= 10
+    buckets = engine.plan_for(DictSource(tensors).metadata()).buckets
+    assert len(buckets) >= 10
+    with AtenOps() as ops:
+        engine.send_weights()
+    assert_received(pool, tensors)
+    # every bucket that is one piece of "b.weight" went out as the source's own bytes
+    packed = sum(1 for b in buckets if len(b.pieces) > 1)
+    copies = ops.counts["aten.copy_.default"] + ops.counts["aten._foreach_copy_.default"]
+    assert copies <= packed, f"{copies} copies for {packed} packed buckets of {len(buckets)}"
+    # a non-contiguous source is copied once into contiguous bytes, and still exact
+    tensors["b.weight"] = torch.randn(100, 100).t()
+    engine.source = DictSource(tensors)
     engine.send_weights()
     assert_received(pool, tensors)
     engine.shutdown()

@@ -359,6 +359,47 @@ class Packer:
         self.finite = finite
         self.current: torch.Tensor | None = None  # bytes of the split parameter being packed
 
+    def bytes_of(self, k: int, buffers: RotatingBuffers) -> torch.Tensor:
+        """Bucket `k`'s bytes for a transport that sends from any memory: a bucket of one
+        piece (a tensor alone in its bucket, or a piece of one larger than a bucket) of a
+        contiguous tensor on the buffers' device is its own bytes, with no pack copy; any
+        other bucket is `pack`ed. Checked as `pack` checks. The caller keeps what it gets
+        alive, and the source unchanged, until its sends complete."""
+        (piece, *more) = self.plan.buckets[k].pieces
+        meta = self.plan.params[piece.param]
+        if more or piece.nbytes == 0:
+            return self.pack(k, buffers)
+        if piece.start == 0:
+            tensor = next(self.pairs)[1]
+            if self.finite:
+                with timed("check"):
+                    bad = first_non_finite([tensor])
+                if bad is not None:
+                    raise non_finite_error(meta.name, piece.param)
+            if tensor.device != buffers.device or not tensor.is_contiguous():
+                return self._pack_one(k, buffers, tensor)
+            self.current = tensor.reshape(-1).view(torch.uint8)
+        assert self.current is not None
+        if self.current.device != buffers.device:
+            return self._pack_one(k, buffers, None)
+        return self.current[piece.start : piece.start + piece.nbytes]
+
+    def _pack_one(
+        self, k: int, buffers: RotatingBuffers, tensor: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Bucket `k` (one piece, already checked) copied into its buffer: from `tensor`
+        when it is the piece's first, else from the split parameter's bytes."""
+        (piece,) = self.plan.buckets[k].pieces
+        if tensor is not None:
+            self.current = as_bytes(tensor)
+        assert self.current is not None
+        out = buffers.get(k, self.plan.buckets[k].nbytes)
+        with timed("pack"):
+            out[piece.offset : piece.offset + piece.nbytes].copy_(
+                self.current[piece.start : piece.start + piece.nbytes]
+            )
+        return out
+
     def pack(self, k: int, buffers: RotatingBuffers) -> torch.Tensor:
         """Fill bucket `k`'s buffer with its pieces; returns its `nbytes` bytes."""
         bucket = self.plan.buckets[k]

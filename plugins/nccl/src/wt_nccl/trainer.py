@@ -141,8 +141,8 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
             for k, bucket in enumerate(plan.buckets):
                 window.free(k)
                 try:  # only the source can fail here: tell the workers, keep the group
-                    if self.wire.packed:
-                        out = packer.pack(k, self._buffers)
+                    if self.wire.packed:  # a bucket of one piece goes out as itself
+                        out = packer.bytes_of(k, self._buffers)
                     else:
                         out = as_bytes(packer.whole(k).to(self.device))
                     if k == len(plan.buckets) - 1:
