@@ -151,6 +151,52 @@ def test_plan_chunks_by_owner_and_size() -> None:
     ]
 
 
+def test_a_span_of_groups_is_pulled_in_one_pull_per_producer_and_freed_after_it() -> None:
+    record, groups = recorded(1, 2)
+    names = [n for g in groups for n in g]
+    router = Router([[0], [0, 1]], [0 if n == "embed.weight" else 1 for n in names], names)
+    one = build_plan(record, groups, router, consumer_id=1, chunk_bytes=1 << 20)
+    needed = [gi for gi in range(len(groups)) if gi not in one.pre_free]
+    for span in (2, 3, len(groups)):
+        plan = build_plan(record, groups, router, consumer_id=1, chunk_bytes=1 << 20, span=span)
+        assert plan.pre_free == one.pre_free
+
+        # the same slices land in the same places, in fewer pulls
+        def slices(p: Any) -> list[Any]:
+            return sorted(
+                (str(k), [str(s) for s in ss])
+                for c in p.chunks
+                for k, ss in zip(c.keys, c.scatters, strict=True)
+            )
+
+        assert slices(plan) == slices(one)
+        assert len(plan.chunks) < len(one.chunks)
+        group_of = {n: gi for gi, g in enumerate(groups) for n in g}
+        freed: list[int] = []
+        for chunk in plan.chunks:
+            spanned = {group_of[name] for name, _ in chunk.keys}
+            # within one span of `span` consecutive groups this consumer needs, none freed yet
+            first = needed.index(min(spanned))
+            assert spanned <= set(needed[first - first % span : first - first % span + span])
+            assert not spanned & set(freed)
+            freed += chunk.frees
+        assert sorted(freed) == needed
+        for owner in {c.owner for c in plan.chunks}:  # issue order per producer
+            assert [c.seq for c in plan.chunks if c.owner == owner] == list(
+                range(sum(c.owner == owner for c in plan.chunks))
+            )
+
+
+def test_the_trainer_keeps_about_its_staging_budget_published() -> None:
+    from wt_sharded_rdt.protocol import MAX_LOOKAHEAD, auto_lookahead, pull_span
+
+    assert auto_lookahead([64 << 20] * 16, budget=512 << 20) == 7
+    assert auto_lookahead([2 << 20] * 150, budget=512 << 20) == MAX_LOOKAHEAD
+    assert auto_lookahead([2 << 30], budget=512 << 20) == 1  # a layer over the budget
+    assert auto_lookahead([]) == 1
+    assert [pull_span(n) for n in (0, 1, 2, 7, 64)] == [1, 1, 1, 4, 32]
+
+
 def producer(**kw: Any) -> Producer:
     args: dict[str, Any] = dict(
         rank=0,

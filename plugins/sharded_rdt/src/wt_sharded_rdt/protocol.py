@@ -76,6 +76,8 @@ __all__ = [
     "Chunk",
     "ConsumerPlan",
     "build_plan",
+    "auto_lookahead",
+    "pull_span",
     "chunk_expectation",
     "BlobLayout",
     "blob_layout",
@@ -88,6 +90,26 @@ TRANSPORTS = ("nixl", "loopback")
 MAX_CONSUMERS = 4096
 MAX_PRODUCERS = 4096
 DEFAULT_CHUNK_BYTES = 256 << 20
+# What the trainer's staging ring may hold when `gather_lookahead` is left to it
+STAGING_BUDGET_BYTES = 512 << 20
+MAX_LOOKAHEAD = 64
+
+
+def auto_lookahead(group_bytes: Sequence[int], budget: int = STAGING_BUDGET_BYTES) -> int:
+    """Groups published ahead of the one being gathered when the trainer leaves it
+    open: as many as `budget` holds beside it at the largest group's size, at least
+    1 and at most `MAX_LOOKAHEAD`. A function of the metadata alone, so every rank
+    derives the same."""
+    largest = max(group_bytes, default=0)
+    if largest <= 0:
+        return 1
+    return max(1, min(MAX_LOOKAHEAD, budget // largest - 1))
+
+
+def pull_span(lookahead: int) -> int:
+    """Consecutive groups one pull may hold: half of what the trainer keeps published
+    (`lookahead + 1`), so the next span is gathered while one is pulled."""
+    return max(1, (lookahead + 1) // 2)
 
 
 def metadata_digest(metas: Sequence[ParamMeta]) -> str:
@@ -139,6 +161,7 @@ class ShardedRDTWorkerInitInfo(WireProtocolInfo, WeightTransferInitInfo):
     replica_rank: int = 0
     num_rdt_buffers: int = 2
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    gather_lookahead: int = 1
     stall_timeout_s: float = 300.0
     peer_timeout_s: float = 30.0
     timeout_s: float = 300.0
@@ -153,6 +176,9 @@ class ShardedRDTWorkerInitInfo(WireProtocolInfo, WeightTransferInitInfo):
             raise ValueError(
                 f"{what}: field 'transport' must be one of {TRANSPORTS}, got {self.transport!r}"
             )
+        check_int_range(
+            self.gather_lookahead, field="gather_lookahead", what=what, low=0, high=MAX_LOOKAHEAD
+        )
         check_int_range(
             len(self.producer_names), field="producer_names", what=what, low=1, high=MAX_PRODUCERS
         )
@@ -326,13 +352,15 @@ def blob_digests(sizes: tuple[int, ...]) -> BucketDigests:
 
 @dataclass
 class Chunk:
-    """One pull: slices `keys` of group `group` from producer `owner`.
+    """One pull: slices `keys` from producer `owner`, of one or more consecutive
+    groups (`group`: the first; `build_plan`'s spans).
 
     `offsets`/`nbytes` are the layout of the pulled blob (`blob_layout` over
     each slice's bytes), `digests_at` where its digest rows lie (verify only);
     `scatters[i]` are where slice `i` lands. Before
     applying it, `begins` modules are materialized; after, `ends` are
-    processed. `frees` are the groups whose last chunk this is.
+    processed. `frees` are the groups freed once it lands (its span's, on the span's
+    last chunk).
     """
 
     index: int
@@ -349,6 +377,14 @@ class Chunk:
     ends: list[str] = field(default_factory=list)
     frees: list[int] = field(default_factory=list)
     digests_at: int | None = None
+    last_group: int = -1  # the last of its groups (-1: `group` alone)
+
+    @property
+    def groups_text(self) -> str:
+        """`group 3`, or `groups 3-6` for a pull of several."""
+        if self.last_group <= self.group:
+            return f"group {self.group}"
+        return f"groups {self.group}-{self.last_group}"
 
     @property
     def layout(self) -> BlobLayout:
@@ -401,15 +437,57 @@ def build_plan(
     consumer_id: int,
     chunk_bytes: int,
     verify: bool = False,
+    span: int = 1,
 ) -> ConsumerPlan:
-    """Cut each group's recorded slices into pulls: one per owner class present,
-    split at `chunk_bytes` (a slice larger than that is a pull of its own); with
-    `verify` each blob also carries its digest rows (`blob_layout`)."""
+    """Cut the recorded slices into pulls: the groups in spans of `span` consecutive
+    groups (those this consumer needs), per span one pull per producer present, split
+    at `chunk_bytes` (a slice larger than that is a pull of its own); with `verify`
+    each blob also carries its digest rows (`blob_layout`).
+
+    A pull never holds groups of two spans, and a span's groups are freed after its
+    last pull: a trainer that keeps `span` groups published ahead (its lookahead,
+    `pull_span`) can always serve a span whole, so no pull waits on a free that waits
+    on it."""
     chunks: list[Chunk] = []
     pre_free: list[int] = []
     seq_of: dict[int, int] = {}
     first_chunk: dict[str, int] = {}
     last_chunk: dict[str, int] = {}
+    Entry = tuple[FetchKey, list[Scatter], int]  # a slice, where it lands, its group
+    pending: dict[int, list[Entry]] = {}  # per owner, in the span's order
+    span_groups: list[int] = []
+
+    def close_span() -> None:
+        for owner, entries in pending.items():
+            for piece in _split([(k, s) for k, s, _ in entries], chunk_bytes):
+                layout = blob_layout([s[0].nbytes for _, s in piece], verify)
+                index = len(chunks)
+                group_of = {k: g for k, _, g in entries}
+                chunk = Chunk(
+                    index=index,
+                    group=group_of[piece[0][0]],
+                    owner=owner,
+                    seq=seq_of.get(owner, 0),
+                    keys=[k for k, _ in piece],
+                    dtypes=[dtype_name(s[0].src_dtype) for _, s in piece],
+                    numels=[s[0].numel for _, s in piece],
+                    offsets=layout.offsets,
+                    nbytes=layout.nbytes,
+                    scatters=[s for _, s in piece],
+                    digests_at=layout.digests_at,
+                    last_group=group_of[piece[-1][0]],
+                )
+                seq_of[owner] = chunk.seq + 1
+                chunks.append(chunk)
+                for _, scatters in piece:
+                    for s in scatters:
+                        first_chunk.setdefault(s.module, index)
+                        last_chunk[s.module] = index
+        if span_groups:
+            chunks[-1].frees.extend(span_groups)
+        pending.clear()
+        span_groups.clear()
+
     for gi, names in enumerate(groups):
         by_class: dict[int, list[tuple[FetchKey, list[Scatter]]]] = {}
         index_of: dict[FetchKey, tuple[int, int]] = {}
@@ -425,31 +503,13 @@ def build_plan(
         if not by_class:
             pre_free.append(gi)
             continue
+        if len(span_groups) >= span:
+            close_span()
+        span_groups.append(gi)
         for cls in sorted(by_class):
             owner = router.producer_for(consumer_id, cls, gi)
-            for piece in _split(by_class[cls], chunk_bytes):
-                layout = blob_layout([s[0].nbytes for _, s in piece], verify)
-                index = len(chunks)
-                chunk = Chunk(
-                    index=index,
-                    group=gi,
-                    owner=owner,
-                    seq=seq_of.get(owner, 0),
-                    keys=[k for k, _ in piece],
-                    dtypes=[dtype_name(s[0].src_dtype) for _, s in piece],
-                    numels=[s[0].numel for _, s in piece],
-                    offsets=layout.offsets,
-                    nbytes=layout.nbytes,
-                    scatters=[s for _, s in piece],
-                    digests_at=layout.digests_at,
-                )
-                seq_of[owner] = chunk.seq + 1
-                chunks.append(chunk)
-                for _, scatters in piece:
-                    for s in scatters:
-                        first_chunk.setdefault(s.module, index)
-                        last_chunk[s.module] = index
-        chunks[-1].frees.append(gi)
+            pending.setdefault(owner, []).extend((k, s, gi) for k, s in by_class[cls])
+    close_span()
     for module, index in first_chunk.items():
         chunks[index].begins.append(module)
     for module, index in last_chunk.items():

@@ -59,6 +59,7 @@ from wt_sharded_rdt.protocol import (
     MAX_PRODUCERS,
     TRANSPORTS,
     ShardedRDTWorkerInitInfo,
+    auto_lookahead,
     metadata_digest,
     owner_table,
 )
@@ -90,9 +91,12 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
     process). Producer names are `<producer_prefix>-rk<rank>` in Ray
     namespace `namespace`. `num_rdt_buffers`: receive and serve ring depth.
     `gather_lookahead`: groups published but not yet freed, beyond the one
-    being gathered. `chunk_bytes`: the largest pull (a larger slice is a pull
-    of its own). `stall_timeout_s`: a sync with no progress at a producer for
-    this long fails; `peer_timeout_s`: a consumer silent this long while a
+    being gathered (`None`: as many as about 512 MiB of staging holds at the
+    largest group's size, 1 to 64, `auto_lookahead`); a consumer's pull holds
+    up to half of the groups published at once (`pull_span`): fewer, larger
+    pulls. `chunk_bytes`: the largest pull (a larger slice is a pull of its
+    own). `stall_timeout_s`: a sync with no progress at a producer for this
+    long fails; `peer_timeout_s`: a consumer silent this long while a
     group waits for it fails the sync, naming it. `actor_env`: environment
     for the producer actors, on top of this process's `UCX_*` / `NIXL_*`.
     `verify`: every pulled blob carries the digests of its slices, which the
@@ -108,7 +112,7 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
     producer_prefix: str = field(default="wt-rdt", kw_only=True)
     namespace: str | None = field(default=None, kw_only=True)
     num_rdt_buffers: int = field(default=2, kw_only=True)
-    gather_lookahead: int = field(default=1, kw_only=True)
+    gather_lookahead: int | None = field(default=None, kw_only=True)
     chunk_bytes: int = field(default=DEFAULT_CHUNK_BYTES, kw_only=True)
     stall_timeout_s: float = field(default=300.0, kw_only=True)
     peer_timeout_s: float = field(default=30.0, kw_only=True)
@@ -144,7 +148,10 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
                 f"got {self.producer_prefix!r}"
             )
         check_int_range(self.num_rdt_buffers, field="num_rdt_buffers", what=what, low=1, high=16)
-        check_int_range(self.gather_lookahead, field="gather_lookahead", what=what, low=0, high=64)
+        if self.gather_lookahead is not None:
+            check_int_range(
+                self.gather_lookahead, field="gather_lookahead", what=what, low=0, high=64
+            )
         check_int_range(self.chunk_bytes, field="chunk_bytes", what=what, low=1 << 10, high=1 << 40)
         for name in ("stall_timeout_s", "peer_timeout_s", "timeout_s"):
             check_timeout(getattr(self, name), field=name, what=what)
@@ -176,6 +183,13 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
         self.owned = [
             gi for gi, names in enumerate(self.groups) if any(n in self.held for n in names)
         ]
+        self.lookahead = (
+            info.gather_lookahead
+            if info.gather_lookahead is not None
+            else auto_lookahead(
+                [aligned_layout([self.meta_of[n].nbytes for n in g])[1] for g in self.groups]
+            )
+        )
         self.sync_id = 0
         self.check_finite = True  # refuse NaN / infinity before they are published
         self.namespace, self.ray_address = info.namespace, None
@@ -231,7 +245,7 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                 "verify": info.verify,
             },
             staging_bytes=staging,
-            staging_slots=info.gather_lookahead + 1,
+            staging_slots=self.lookahead + 1,
             max_concurrency=info.num_consumers * info.num_rdt_buffers + 8,
             env=forwarded_env(info.actor_env),
         )
@@ -292,6 +306,7 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                 replica_rank=replica_rank,
                 num_rdt_buffers=info.num_rdt_buffers,
                 chunk_bytes=info.chunk_bytes,
+                gather_lookahead=self.lookahead,
                 stall_timeout_s=info.stall_timeout_s,
                 peer_timeout_s=info.peer_timeout_s,
                 timeout_s=info.timeout_s,
@@ -383,7 +398,7 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                 batch = self._held_batch(names, tensors)
                 if not batch:
                     continue
-                while len(in_flight) > self.info.gather_lookahead:
+                while len(in_flight) > self.lookahead:
                     in_flight -= self._freed(transfer)
                 host.publish(group, batch)
                 in_flight.add(group)

@@ -77,6 +77,7 @@ from wt_sharded_rdt.protocol import (
     chunk_expectation,
     digests_view,
     owner_table,
+    pull_span,
 )
 from wt_sharded_rdt.transport import Pending, ProducerClient, producer_client
 
@@ -136,6 +137,7 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
         )
         self.info: ShardedRDTWorkerInitInfo | None = None
         self.plan: ConsumerPlan | None = None
+        self.group_of: dict[str, int] = {}  # gather group of each name
         self.zero: dict[str, list[str]] = {}
         self.consumer_id = 0
         self.slots: list[torch.Tensor] = []
@@ -176,10 +178,17 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
         check_producers(init_info, [client.describe() for client in clients])
         metas = {m.name: m for m in init_info.metas}
         groups = init_info.groups()
+        self.group_of = {n: gi for gi, names in enumerate(groups) for n in names}
         record, zero = bake(self.new_loader(), [[metas[n] for n in names] for names in groups])
         router = Router(init_info.owner_sets, init_info.name_owner_class, init_info.names)
         plan = build_plan(
-            record, groups, router, consumer_id, init_info.chunk_bytes, init_info.verify
+            record,
+            groups,
+            router,
+            consumer_id,
+            init_info.chunk_bytes,
+            init_info.verify,
+            pull_span(init_info.gather_lookahead),
         )
         for owner, nbytes in plan.bytes_from().items():
             clients[owner].reserve(consumer_id, nbytes)
@@ -323,7 +332,7 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
             pending.result(info.stall_timeout_s + _GRACE_S)
         except Exception as error:
             raise RuntimeError(
-                f"consumer {self.consumer_id}: pull {chunk.index} (group {chunk.group}, "
+                f"consumer {self.consumer_id}: pull {chunk.index} ({chunk.groups_text}, "
                 f"{chunk.nbytes} bytes) from {producer.name} failed: "
                 f"{type(error).__name__}: {error}"
             ) from error
@@ -349,8 +358,8 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
             raise
         except Exception as error:
             self._failed = RuntimeError(
-                f"consumer {self.consumer_id}: scattering pull {chunk.index} (group "
-                f"{chunk.group}) failed: {type(error).__name__}: {error}"
+                f"consumer {self.consumer_id}: scattering pull {chunk.index} "
+                f"({chunk.groups_text}) failed: {type(error).__name__}: {error}"
             )
             raise self._failed from error
 
@@ -365,7 +374,8 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
         j = int((mine != expected).any(dim=1).nonzero()[0, 0])
         name, chain = chunk.keys[j]
         raise DigestMismatch(
-            f"verify: consumer {self.consumer_id}: pull {chunk.index} (group {chunk.group}) "
+            f"verify: consumer {self.consumer_id}: pull {chunk.index} "
+            f"(group {self.group_of.get(name, chunk.group)}) "
             f"from {producer}: the slice of {name!r} ({describe_chain(chain)}) arrived "
             f"different from what the producer sent (digest {mine[j].tolist()} != "
             f"{expected[j].tolist()}); nothing of this pull was loaded",
