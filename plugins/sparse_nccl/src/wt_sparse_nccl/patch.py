@@ -72,36 +72,27 @@ def check_indices(indices: torch.Tensor, numel: int, where: str) -> None:
 
 
 def check_indices_of(patches: Sequence[SparseWeightPatch], where: Sequence[str]) -> None:
-    """`check_indices` of every patch (`where[i]` names patch `i` in the error), batched:
-    a fixed number of ops over all the indices at once and one host read, whatever
-    the number of patches; only a batch that fails is checked patch by patch to
-    name the first bad one.
-
-    Each patch's positions are moved into a range of their own (its offset:
-    the elements of the patches before it), so one sort of all of them finds a
-    position repeated within a patch and none across patches.
-    """
-    counts = [p.nnz for p in patches]
-    if sum(counts) == 0:
-        return
-    device = patches[0].indices.device
+    """`check_indices` of every patch (`where[i]` names patch `i` in the error), with one
+    host read for the whole batch: each patch's range and uniqueness checks run on the
+    device into a flag, and the host reads the flags once; only a batch that fails is
+    checked patch by patch to name the first bad one. Each patch is sorted on its own,
+    so the extra memory is one patch's, never the batch's."""
+    device = patches[0].indices.device if patches else None
     if any(p.indices.device != device for p in patches):
         for patch, named in zip(patches, where, strict=True):
             check_indices(patch.indices, patch.numel, named)
         return
-    numels = [p.numel for p in patches]
-    offsets = [0]
-    for n in numels[:-1]:
-        offsets.append(offsets[-1] + n)
-    flat = torch.cat([p.indices for p in patches]).to(torch.int64)
-    per_entry = torch.tensor([numels, offsets], dtype=torch.int64, device=device)
-    per_entry = per_entry.repeat_interleave(
-        torch.tensor(counts, dtype=torch.int64, device=device), dim=1, output_size=flat.numel()
-    )
-    outside = (flat < 0) | (flat >= per_entry[0])
-    ordered = torch.sort(flat + per_entry[1]).values
-    bad = outside.any() | (ordered[1:] == ordered[:-1]).any()
-    if bool(bad):
+    flags = []
+    for patch in patches:
+        indices = patch.indices
+        if indices.numel() == 0:
+            continue
+        bad = ((indices < 0) | (indices >= patch.numel)).any()
+        if indices.numel() > 1:
+            ordered = torch.sort(indices).values
+            bad = bad | (ordered[1:] == ordered[:-1]).any()
+        flags.append(bad.reshape(1))
+    if flags and bool(torch.cat(flags).any()):
         for patch, named in zip(patches, where, strict=True):
             check_indices(patch.indices, patch.numel, named)
 
