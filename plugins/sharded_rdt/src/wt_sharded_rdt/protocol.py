@@ -439,15 +439,17 @@ def build_plan(
     verify: bool = False,
     span: int = 1,
 ) -> ConsumerPlan:
-    """Cut the recorded slices into pulls: the groups in spans of `span` consecutive
-    groups (those this consumer needs), per span one pull per producer present, split
-    at `chunk_bytes` (a slice larger than that is a pull of its own); with `verify`
-    each blob also carries its digest rows (`blob_layout`).
+    """Cut the recorded slices into pulls: the groups in spans (groups `[i * span,
+    (i + 1) * span)`), per span one pull per producer present, split at `chunk_bytes`
+    (a slice larger than that is a pull of its own); with `verify` each blob also
+    carries its digest rows (`blob_layout`).
 
     A pull never holds groups of two spans, and a span's groups are freed after its
-    last pull: a trainer that keeps `span` groups published ahead (its lookahead,
-    `pull_span`) can always serve a span whole, so no pull waits on a free that waits
-    on it."""
+    last pull. Spans are windows of the group indices, the same for every consumer,
+    so a span never reaches more than `span - 1` groups past its first: a trainer
+    that keeps at least `span` groups published (`pull_span` of its lookahead) can
+    serve every span that holds its oldest unfreed group, and no pull waits on a free
+    that waits on it."""
     chunks: list[Chunk] = []
     pre_free: list[int] = []
     seq_of: dict[int, int] = {}
@@ -503,7 +505,7 @@ def build_plan(
         if not by_class:
             pre_free.append(gi)
             continue
-        if len(span_groups) >= span:
+        if span_groups and gi // span != span_groups[0] // span:
             close_span()
         span_groups.append(gi)
         for cls in sorted(by_class):
