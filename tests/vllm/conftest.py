@@ -29,6 +29,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+from wt_tools.tiny_model import ENGINE_KWARGS
+
 from weight_transfer import ModuleSource, ParamMeta, WeightSource
 
 PROMPTS = ["w1 w2 w3", "w10 w20 w30 w40 w50", "w7"]
@@ -40,13 +42,7 @@ LOGPROBS = 2
 INITIAL_SEED = 1
 SEEDS = (1, 2, 3)
 
-LLM_KWARGS: dict[str, Any] = {
-    "dtype": "float32",
-    "enforce_eager": True,
-    "max_model_len": 256,
-    "kv_cache_memory_bytes": 32 << 20,
-    "distributed_executor_backend": "uni",
-}
+LLM_KWARGS: dict[str, Any] = ENGINE_KWARGS
 
 # Engines that must outlive every test (see the module docstring).
 KEEP_ALIVE: list[Any] = []

@@ -80,14 +80,15 @@ def param_list_digests(payload: dict[str, Any]) -> list[int]:
     """
     raw = _raw_layout(payload)
     last = _last_layout
-    if last is not None and last[2] is not None and last[0] == raw:
+    same = last is not None and last[0] == raw
+    if same and last is not None and last[2] is not None:
         return list(last[2])
     digests = []
     for name in PARAM_LIST_FIELDS:
         text = json.dumps(payload[name], separators=(",", ":")).encode()
         digest = hashlib.blake2b(text, digest_size=8).digest()
         digests.append(int.from_bytes(digest, "little", signed=True))
-    if last is not None and last[0] == raw:
+    if same and last is not None:
         _remember(raw, last[1], digests)
     return digests
 

@@ -35,19 +35,12 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch
 
-from wt_tools.tiny_model import TinyMoESpec, build_tiny_moe
+from wt_tools.tiny_model import ENGINE_KWARGS, TinyMoESpec, build_tiny_moe
 
 __all__ = ["MOE_SPEC", "measure"]
 
 # 16 layers of 64 experts: 3,219 tensors, 0.11 GB in float32
 MOE_SPEC = TinyMoESpec(num_hidden_layers=16, num_experts=64, moe_intermediate_size=64)
-LLM_KWARGS: dict[str, Any] = {
-    "dtype": "float32",
-    "enforce_eager": True,
-    "max_model_len": 256,
-    "kv_cache_memory_bytes": 32 << 20,
-    "distributed_executor_backend": "uni",
-}
 PROMPT = "w1 w2 w3 w4"
 
 
@@ -105,7 +98,7 @@ def measure(repeats: int, work: str, spec: TinyMoESpec = MOE_SPEC) -> dict[str, 
 
     def engine_of(backend: str) -> Any:
         config = WeightTransferConfig(backend=f"wt_{backend}")
-        return LLM(model=served, weight_transfer_config=config, **LLM_KWARGS)
+        return LLM(model=served, weight_transfer_config=config, **ENGINE_KWARGS)
 
     engines = [_Engine(b, engine_of(b)) for b in ("nccl", "ipc")]
     source = TensorSource(targets[0])
@@ -152,7 +145,7 @@ def measure(repeats: int, work: str, spec: TinyMoESpec = MOE_SPEC) -> dict[str, 
         sync(engine, 1 - last)()
         sync(engine, last)()
         engine.trainer.shutdown()
-    fresh = LLM(model=dirs[last], **LLM_KWARGS)
+    fresh = LLM(model=dirs[last], **ENGINE_KWARGS)
     want = _greedy(fresh)
     exact = {e.backend: _greedy(e.llm) == want for e in engines}
     rows_out = []

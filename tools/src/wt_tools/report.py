@@ -87,8 +87,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         False,
         "us",
     )
-    few = _scenario(results, "MoE", mode="nccl unpacked") or {}
-    for scenario, limits in ((many, (3.0, 3.0, 5.0)), (few, (1.5, 1.5, 3.0))):
+    for scenario, limits in ((many, (3.0, 3.0, 5.0)), (moe, (1.5, 1.5, 3.0))):
         for mode, limit in zip(("nccl packed", "ipc packed", "sharded_rdt"), limits, strict=True):
             row = _mode(scenario, mode) if scenario else None
             add(

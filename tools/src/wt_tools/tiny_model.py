@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "ENGINE_KWARGS",
     "TinyLlamaSpec",
     "TinyMoESpec",
     "build_tiny_llama",
@@ -29,6 +30,16 @@ __all__ = [
     "tiny_moe",
     "prompt_words",
 ]
+
+# vLLM engine arguments for these tiny models on CPU (float32, eager, a 32 MiB KV
+# cache, the in-process executor): what the tests and the MoE bench start them with.
+ENGINE_KWARGS: dict[str, Any] = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 256,
+    "kv_cache_memory_bytes": 32 << 20,
+    "distributed_executor_backend": "uni",
+}
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 

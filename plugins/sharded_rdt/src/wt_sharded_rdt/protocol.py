@@ -461,10 +461,10 @@ def build_plan(
 
     def close_span() -> None:
         for owner, entries in pending.items():
+            group_of = {k: g for k, _, g in entries}
             for piece in _split([(k, s) for k, s, _ in entries], chunk_bytes):
                 layout = blob_layout([s[0].nbytes for _, s in piece], verify)
                 index = len(chunks)
-                group_of = {k: g for k, _, g in entries}
                 chunk = Chunk(
                     index=index,
                     group=group_of[piece[0][0]],

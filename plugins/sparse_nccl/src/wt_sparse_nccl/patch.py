@@ -77,10 +77,14 @@ def check_indices_of(patches: Sequence[SparseWeightPatch], where: Sequence[str])
     device into a flag, and the host reads the flags once; only a batch that fails is
     checked patch by patch to name the first bad one. Each patch is sorted on its own,
     so the extra memory is one patch's, never the batch's."""
-    device = patches[0].indices.device if patches else None
-    if any(p.indices.device != device for p in patches):
+
+    def one_by_one() -> None:
         for patch, named in zip(patches, where, strict=True):
             check_indices(patch.indices, patch.numel, named)
+
+    device = patches[0].indices.device if patches else None
+    if any(p.indices.device != device for p in patches):
+        one_by_one()
         return
     flags = []
     for patch in patches:
@@ -93,8 +97,7 @@ def check_indices_of(patches: Sequence[SparseWeightPatch], where: Sequence[str])
             bad = bad | (ordered[1:] == ordered[:-1]).any()
         flags.append(bad.reshape(1))
     if flags and bool(torch.cat(flags).any()):
-        for patch, named in zip(patches, where, strict=True):
-            check_indices(patch.indices, patch.numel, named)
+        one_by_one()
 
 
 def _check_patch(patch: SparseWeightPatch, where: str) -> None:
