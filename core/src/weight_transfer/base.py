@@ -525,6 +525,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
                     type(self).__name__,
                 )
                 self._abort_round(RuntimeError("superseded by a new start_weight_update"))
+            self.require_connection()
             generation = self._find_generation()
             self._round_paused = generation is not None and generation.paused() is True
             self._round_label = generation.label() if self._round_paused else None
@@ -583,6 +584,16 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             held.release()
 
     # -- a round without its trainer --------------------------------------
+    def require_connection(self) -> None:
+        """Refuse a round this engine cannot receive: one without a connection to its
+        trainer (never connected, restarted, torn down by a failed round). Core calls
+        it before every round opens. The default asks the backend's `channel` (an
+        object with `require()`, such as a `GroupChannel`), whose refusal says
+        `NO_GROUP`; a trainer that sees it re-admits the workers (`reconnect`)."""
+        require = getattr(getattr(self, "channel", None), "require", None)
+        if callable(require):
+            require()
+
     def trainer_alive(self) -> bool | None:
         """Whether the trainer this engine serves still has its end open; None when
         this engine cannot tell. The default asks the backend's `channel` (a
@@ -754,6 +765,8 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
                     "messages; connect through a wt trainer, or take the engine over "
                     "with replace_trainer=True"
                 )
+            if check is not None and holder is not None and not takeover:
+                self._admit(check, holder)
             subclass_init()
             self.release_held()  # a trainer connected: what the last one held is moot
             if check is None or holder is None or not holder.same_key(check):
@@ -761,6 +774,21 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             timeout_s = getattr(init_info, "timeout_s", None)
             if isinstance(timeout_s, (int, float)) and timeout_s > 0:
                 self.round_timeout_s = float(timeout_s)
+
+    def _admit(self, check: ControlCheck, holder: ControlCheck) -> None:
+        """One trainer per engine: refuse trainer `check` while a different trainer
+        (`holder`) is served and known alive (`trainer_alive`); one that died, closed
+        its end, or whose liveness this engine cannot tell is replaced."""
+        if holder.same_key(check) or check.trainer_id == holder.trainer_id:
+            return
+        if self.trainer_alive() is not True:
+            return
+        raise ControlRefused(
+            f"{type(self).__name__}: this engine serves trainer "
+            f"{holder.trainer_id or '(unnamed)'}, which is alive; trainer "
+            f"{check.trainer_id or '(unnamed)'} may take it over only with "
+            "replace_trainer=True in its init info"
+        )
 
     # -- payload parsing ---------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> TInitInfo:
@@ -910,18 +938,24 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     def init_transfer_engine(self, init_info: TInitInfo) -> None:
         """Open the data channel and record the trainer's wire parameters."""
 
-    @abstractmethod
     def start_weight_update(self) -> None:
-        """Prepare a round, after the base class opened its transaction."""
+        """Prepare a round, after the base class opened its transaction (and checked
+        the connection, `require_connection`). The default does nothing."""
 
     @abstractmethod
     def receive_weights(self, update_info: TUpdateInfo) -> None:
         """Receive this update's weights and load them (`self.loader.load`)."""
 
-    @abstractmethod
     def finish_weight_update(self) -> None:
-        """Complete the round; the base class commits the transaction afterwards."""
+        """Complete the round; the base class commits the transaction afterwards.
+        The default does nothing."""
 
     @abstractmethod
     def shutdown(self) -> None:
         """Release the data channel; serving continues."""
+
+
+# The defaults run inside the transaction too (subclasses' own are wrapped as defined).
+for _name in ("start_weight_update", "finish_weight_update"):
+    setattr(WeightTransferEngine, _name, _round_step(_name, WeightTransferEngine.__dict__[_name]))
+del _name

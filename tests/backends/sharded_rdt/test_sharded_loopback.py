@@ -29,7 +29,7 @@ from tests.backends.sharded_rdt.models import (
 )
 from tests.sources import DictSource
 from weight_transfer import layerwise_groups
-from weight_transfer.control import with_control_key
+from weight_transfer.control import ControlRefused, with_control_key
 from weight_transfer.transport.digest import RECEIVE_HOOKS
 from wt_sharded_rdt.protocol import ShardedRDTUpdateInfo
 
@@ -294,7 +294,7 @@ def test_update_from_another_trainer_is_refused(shards: Any) -> None:
     source = HeldSource(checkpoint(1))
     trainer = s.trainer(source)
     try:
-        with pytest.raises(ValueError, match="replace_trainer=True"):
+        with pytest.raises(ControlRefused, match=r"which is alive.*replace_trainer=True"):
             s.trainer(HeldSource(checkpoint(1)), producer_prefix=s.prefix + "-b")
         source.tensors = checkpoint(2)
         trainer.send_weights()  # the engine still serves the first trainer

@@ -70,31 +70,6 @@ class GroupChannel(Generic[L]):
         self.group = group
         self.holder = holder
 
-    def admit(self, trainer_id: str, *, replace: bool) -> None:
-        """Refuse a second trainer while a live one holds this engine (unless `replace`).
-
-        The holder is live while its end of the group is open
-        (`trainer_alive`; a `StatelessGroup` asks its store); a holder that died, shut down or tore
-        its group down is replaced freely.
-        """
-        group = self.group
-        if group is None or replace or trainer_id == self.holder or not group.trainer_alive():
-            return
-        raise ValueError(
-            f"{self.name}: this engine serves trainer {self.holder or '(unnamed)'}, which is "
-            f"alive; trainer {trainer_id or '(unnamed)'} may take it over only with "
-            "replace_trainer=True in its init info"
-        )
-
-    def check_holder(self, trainer_id: str) -> None:
-        """Refuse a round from a trainer other than the one this engine serves."""
-        if trainer_id and self.holder and trainer_id != self.holder:
-            raise ChannelDownError(
-                f"{self.name}: this round comes from trainer {trainer_id}, but the engine now "
-                f"serves trainer {self.holder} (it took over with replace_trainer=True); run "
-                "trainer_init again, with replace_trainer=True to take the engine back"
-            )
-
     def require(self) -> L:
         if self.group is None:
             raise ChannelDownError(f"{self.name}: {NO_GROUP} ({self.reason}); {self.remedy}")

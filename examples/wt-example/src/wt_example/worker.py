@@ -51,9 +51,6 @@ class FileWorkerEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
     def init_transfer_engine(self, init_info: FileInitInfo) -> None:
         self.info = init_info
 
-    def start_weight_update(self) -> None:
-        """Nothing beyond core's transaction."""
-
     def receive_weights(self, update_info: FileUpdateInfo) -> None:
         if self.info is None:
             raise RuntimeError("example_file: update_weights before init_weight_transfer_engine")
@@ -75,9 +72,6 @@ class FileWorkerEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
                 )
             batch.append((meta.name, t))
         self.loader.load(batch)
-
-    def finish_weight_update(self) -> None:
-        """Nothing beyond core's transaction."""
 
     def shutdown(self) -> None:
         self.info = None

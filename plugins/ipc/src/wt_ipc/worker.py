@@ -89,7 +89,6 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
     def init_transfer_engine(self, init_info: IPCWorkerInitInfo) -> None:
         """Attach to the trainer's staging, replacing a previous attachment only once the
         new one is connected, mapped, checked and greeted (a refusal leaves the old one)."""
-        self.channel.admit(init_info.trainer_id, replace=init_info.replace)
         self._detach_if_trainer_left()
         link, staging = self._attach(init_info)
         self._release_staging()
@@ -131,7 +130,6 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
         wire, staging = self.wire, self.staging
         if wire is None or staging is None:
             raise RuntimeError("update_weights before init_weight_transfer_engine")
-        self.channel.check_holder(update_info.trainer_id)
         round_id = update_info.round_id
         if round_id <= self.last_round:
             raise ValueError(
@@ -236,9 +234,6 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
                 raise RuntimeError(
                     f"the trainer is at round {frame.round_id}, this update is for round {round_id}"
                 )
-
-    def finish_weight_update(self) -> None:
-        """Nothing beyond core's transaction (the loader commits)."""
 
     def _release_staging(self) -> None:
         """Unmap the trainer's staging (a mapping still viewed goes with its last view)."""

@@ -81,7 +81,6 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         puts them: on this worker's GPU for NCCL, on CPU for gloo (see
         `join_group`); the loader copies into the model.
         """
-        self.channel.admit(init_info.trainer_id, replace=init_info.replace)
         self.channel.drop("the last init_weight_transfer_engine failed")
         self.wire = init_info.wire
         group = join_group(init_info, self.position, self.device)
@@ -93,16 +92,10 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         ):
             self._buffers = RotatingBuffers(self.wire.packed_num_buffers, group.device)
 
-    def start_weight_update(self) -> None:
-        """Refuse a round without a group (a restarted engine, one whose group was
-        torn down): the trainer re-forms the group and starts again."""
-        self.channel.require()
-
     def receive_weights(self, update_info: NCCLUpdateInfo) -> None:
         wire, buffers = self.wire, self._buffers
         if wire is None or buffers is None:
             raise RuntimeError("update_weights before init_weight_transfer_engine")
-        self.channel.check_holder(update_info.trainer_id)
         check_declared(update_info.metas, self.model, what="update_info")
         plan = plan_for(update_info.metas, wire)
         declared = param_list_digests(vars(update_info))
@@ -175,9 +168,6 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
             head = self._header(group, head.bucket + 1)
             if head.status != HEADER_OK:
                 return  # the trainer ended the round itself
-
-    def finish_weight_update(self) -> None:
-        """Nothing beyond core's transaction (the loader commits)."""
 
     def shutdown(self) -> None:
         self.channel.close()

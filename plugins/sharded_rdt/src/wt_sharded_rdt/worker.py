@@ -156,7 +156,6 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
     # -- init ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: ShardedRDTWorkerInitInfo) -> None:
         """Find the producers, record the slices, plan, reserve (module docstring)."""
-        self.channel.admit(init_info.trainer_id, replace=init_info.replace)
         self.channel.drop("the last init_weight_transfer_engine failed")
         if getattr(self.parallel_config, "enable_eplb", False):
             raise RuntimeError(
@@ -208,9 +207,8 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
 
     # -- one sync -----------------------------------------------------------------
     def start_weight_update(self) -> None:
-        """Refuse a round without producers to pull from (a restarted engine): the
-        trainer then sends this replica its handshake again and starts over."""
-        self.channel.require()
+        """A new sync (core has refused it if there are no producers to pull from,
+        `require_connection`: the trainer then sends the handshake again)."""
         self._round_sync = None
 
     def receive_weights(self, update_info: ShardedRDTUpdateInfo) -> None:
@@ -249,7 +247,6 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
     def _check_update(self, update: ShardedRDTUpdateInfo, info: ShardedRDTWorkerInitInfo) -> None:
         """Refuse, naming the field, an update that is not this engine's next sync:
         `ValueError`, or `ChannelDownError` for a trainer that no longer holds it."""
-        self.channel.check_holder(update.trainer_id)
         if update.trainer_id != self.channel.holder:
             raise ValueError(
                 f"update_info: field 'trainer_id' is {update.trainer_id!r}, but this engine "

@@ -287,7 +287,6 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
         self.verify = False
 
     def init_transfer_engine(self, init_info: SparseNCCLInitInfo) -> None:
-        self.channel.admit(init_info.trainer_id, replace=init_info.replace)
         self.channel.drop("the last init_weight_transfer_engine failed")
         group = join_group(init_info, self.position, self.device)
         self.verify = init_info.verify
@@ -296,15 +295,9 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
     def new_transaction(self) -> SparsePatcher:
         return patcher_for(self.model, self.vllm_config)
 
-    def start_weight_update(self) -> None:
-        """Refuse a round without a group (`NO_GROUP`: a restarted engine, one whose
-        group was torn down); the trainer re-forms the group and starts again."""
-        self.channel.require()
-
     def receive_weights(self, update_info: SparseNCCLUpdateInfo) -> None:
         """Receive the whole batch as the trainer's header sizes it, check it whole,
         then apply it (see the module doc for the checks)."""
-        self.channel.check_holder(update_info.trainer_id)
         patcher = self.transaction
         assert isinstance(patcher, SparsePatcher)
         groups = wire_groups(update_info, aligned=self.verify)
@@ -413,9 +406,6 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
                 )
             )
         return patches
-
-    def finish_weight_update(self) -> None:
-        """Nothing beyond core's transaction (the patcher commits)."""
 
     def shutdown(self) -> None:
         self.channel.close()
