@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -165,15 +166,16 @@ def test_http_client_resumes_after_every_round_that_the_workers_closed(
 
 
 def test_http_client_leaves_an_incomplete_model_paused(server: Server) -> None:
-    """An engine that could not roll back (no undo record) says `MODEL_INCOMPLETE`:
-    no resume after that refusal, and the next complete round resumes."""
-    from weight_transfer.rounds import MODEL_INCOMPLETE
+    """An engine that could not roll back (no undo record) says
+    `Refusal.MODEL_INCOMPLETE`: no resume after that refusal, and the next
+    complete round resumes."""
+    from weight_transfer.control import Refusal
 
     client = HTTPVLLMWeightSyncClient(server.url, timeout=10, reset_prefix_cache=False)
-    refusal = json.dumps({"error": f"{MODEL_INCOMPLETE}: a round failed after it loaded"})
-    server.answers["/update_weights"] = (500, refusal.encode())
+    said = Refusal.MODEL_INCOMPLETE.say("a round failed after it loaded")
+    server.answers["/update_weights"] = (500, json.dumps({"error": said}).encode())
     client.start_weight_update()
-    with pytest.raises(WeightSyncRPCError, match=MODEL_INCOMPLETE):
+    with pytest.raises(WeightSyncRPCError, match=re.escape(said)):
         client.update_weights({"names": ["x"]})
     del server.answers["/update_weights"]
     client.start_weight_update()
@@ -306,7 +308,9 @@ def test_local_client_drives_an_in_process_worker_end_to_end(tmp_path: Path) -> 
     with pytest.raises(WeightSyncRPCError) as err:
         client.finish_weight_update(weight_version="v1")  # no round is open
     assert err.value.method == "finish_weight_update"
-    assert "RuntimeError: finish_weight_update called without a matching start" in str(err.value)
+    assert "RuntimeError: [wt:no_round] finish_weight_update called without a matching" in str(
+        err.value
+    )
     assert isinstance(err.value.__cause__, RuntimeError)
 
 

@@ -180,3 +180,74 @@ def test_a_payload_verifies_the_same_after_json_and_as_python_objects() -> None:
     body = {"names": ["a"], "offsets": {9: [1], 10: (2, 3)}}
     assert check.verify(key.sign(body))["offsets"] == body["offsets"]  # as Ray: the objects
     assert check.verify(json.loads(json.dumps(key.sign(body))))["names"] == ["a"]  # as HTTP
+
+
+def test_refusals_are_read_from_codes_and_from_vllms_own_texts() -> None:
+    """A client acts on a refusal's code, wherever in the message it sits, and on
+    vLLM's host texts, which carry none; other errors carry no refusal."""
+    from weight_transfer.control import Refusal, refusals, refused
+
+    said = Refusal.ABORTED.say("aborted on request: x")
+    both = f"RuntimeError: {said}; {Refusal.MODEL_INCOMPLETE.say('part of a round')}"
+    assert refusals(RuntimeError(said)) == {Refusal.ABORTED}
+    assert refusals(both) == {Refusal.ABORTED, Refusal.MODEL_INCOMPLETE}
+    assert refused("worker 0: a weight update is already active", Refusal.ROUND_OPEN)
+    assert refused("start_weight_update must be called before update_weights", Refusal.NO_ROUND)
+    assert not refused("aborted on request", Refusal.ABORTED)  # the text alone is not a code
+    assert refusals("[wt:unknown] x") == set()
+    assert not refused(said)  # no code asked for
+
+
+def test_the_three_round_helpers_act_on_codes_only() -> None:
+    """`abort_round` accepts an aborted or already-closed round and refuses an engine
+    that took the abort as an update; `start_round` aborts a round left open, once;
+    `control_round` treats an accepted refusal as the answer and skips the finish."""
+    from weight_transfer.control import (
+        ABORT_FIELD,
+        Refusal,
+        abort_round,
+        control_round,
+        start_round,
+    )
+
+    calls: list[Any] = []
+
+    def refuse(code: Refusal) -> Any:
+        def update(payload: Any) -> None:
+            calls.append(payload)
+            raise RuntimeError(code.say("no"))
+
+        return update
+
+    abort_round(refuse(Refusal.ABORTED), "r", lambda p: p)
+    abort_round(refuse(Refusal.NO_ROUND), "r", lambda p: p)
+    assert calls == [{ABORT_FIELD: "r"}, {ABORT_FIELD: "r"}]
+    with pytest.raises(RuntimeError, match="not a wt engine"):
+        abort_round(calls.append, "r", lambda p: p)
+    with pytest.raises(RuntimeError, match="nothing_held"):
+        abort_round(refuse(Refusal.NOTHING_HELD), "r", lambda p: p)
+
+    starts: list[int] = []
+
+    def start() -> None:
+        starts.append(1)
+        if len(starts) == 1:
+            raise RuntimeError(Refusal.ROUND_OPEN.say("open"))
+
+    aborted: list[str] = []
+    start_round(start, aborted.append)
+    assert len(starts) == 2 and len(aborted) == 1
+    with pytest.raises(RuntimeError, match="other"):
+        start_round(lambda: (_ for _ in ()).throw(RuntimeError("other")), aborted.append)
+    assert len(aborted) == 1
+
+    finished: list[int] = []
+    control_round(
+        lambda: None, refuse(Refusal.NOTHING_HELD), lambda: finished.append(1),
+        {"wt_revert": "x"}, lambda p: p, (Refusal.NOTHING_HELD,),
+    )  # fmt: skip
+    assert finished == []
+    control_round(lambda: None, lambda p: None, lambda: finished.append(1), {}, lambda p: p)
+    assert finished == [1]
+    with pytest.raises(RuntimeError, match="nothing_held"):
+        control_round(lambda: None, refuse(Refusal.NOTHING_HELD), lambda: None, {}, lambda p: p)

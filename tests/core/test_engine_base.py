@@ -464,11 +464,11 @@ def test_a_round_without_an_undo_record_leaves_the_engine_incomplete_until_one_l
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """No undo copy (`exact_undo` False): a round that fails after loading cannot
-    be rolled back, so the engine says so (`MODEL_INCOMPLETE`) in this and every
+    be rolled back, so the engine says so (`Refusal.MODEL_INCOMPLETE`) in this and every
     refusal until a round commits, and refuses to hold a commit."""
     from weight_transfer import loading
     from weight_transfer.base import ModelIncompleteError
-    from weight_transfer.rounds import HOLD_FIELD, model_incomplete
+    from weight_transfer.control import HOLD_FIELD, Refusal, refused
 
     monkeypatch.setattr(loading, "_providers", [])
     loading.register_loader_provider(lambda model, cfg: DirectLoader(model, undo=False))
@@ -481,11 +481,11 @@ def test_a_round_without_an_undo_record_leaves_the_engine_incomplete_until_one_l
     engine.update_weights({"names": ["a"], "values": [3.0]})
     with pytest.raises(ModelIncompleteError, match="told to fail") as failed:
         engine.update_weights({"names": ["b"], "values": [9.0], "fail": True})
-    assert model_incomplete(failed.value) and engine.incomplete is not None
+    assert refused(failed.value, Refusal.MODEL_INCOMPLETE) and engine.incomplete is not None
     assert torch.equal(engine.model.a, torch.full((3,), 3.0))  # nothing could undo it
     with pytest.raises(RoundAbortedError) as aborted:  # a trainer's abort hears it too
         engine.update_weights({ABORT_FIELD: "the trainer's round failed"})
-    assert model_incomplete(aborted.value)
+    assert refused(aborted.value, Refusal.MODEL_INCOMPLETE)
     engine.start_weight_update()
     with pytest.raises(TypeError, match="cannot revert"):
         engine.update_weights({HOLD_FIELD: True})

@@ -58,8 +58,8 @@ Transport
     in a staging buffer's tail), `digest`, `DIGEST_DTYPE`, `RECEIVE_HOOKS` and
     `run_receive_hooks` (a transport calls it on each received piece before
     checking it: the test-only hooks corrupt bytes there). Re-admission:
-    `NO_GROUP` / `needs_reconnect` (a side without a group refuses with it;
-    the trainer then calls its `reconnect`).
+    `Refusal` / `refused` (structured refusals: a side without a group says
+    `Refusal.NO_CONNECTION`, and the trainer then calls its `reconnect`).
     Waiting: `in_background`, `await_transfer`,
     `wait_for`, `work_future`, `all_settle`, `PEER_GRACE_S`, `CollectiveError`,
     `TransferTimeout`.
@@ -81,6 +81,7 @@ from weight_transfer.base import (
     synchronize_device,
     trainer_device,
 )
+from weight_transfer.control import Refusal, refused
 from weight_transfer.hooks import SyncTracker, track_sync
 from weight_transfer.limits import (
     MAX_BUFFERS,
@@ -131,11 +132,9 @@ from weight_transfer.source import (
     layerwise_groups,
 )
 from weight_transfer.transport.channel import (
-    NO_GROUP,
     ChannelDownError,
     GroupChannel,
     Link,
-    needs_reconnect,
 )
 from weight_transfer.transport.digest import (
     DIGEST_DTYPE,
@@ -265,8 +264,8 @@ __all__ = [
     "GroupChannel",
     "ChannelDownError",
     "Link",
-    "NO_GROUP",
-    "needs_reconnect",
+    "Refusal",
+    "refused",
     "SharedSegment",
     "LocalListener",
     "LocalLink",

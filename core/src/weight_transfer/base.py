@@ -40,8 +40,10 @@ from weight_transfer.control import (
     SEAL_FIELD,
     ControlCheck,
     ControlRefused,
+    Refusal,
     check_control_values,
     pop_control_key,
+    refused,
 )
 from weight_transfer.hooks import SyncTracker
 from weight_transfer.loading import (
@@ -54,17 +56,13 @@ from weight_transfer.loading import (
 from weight_transfer.payload import parse_payload
 from weight_transfer.position import WorkerPosition, worker_position
 from weight_transfer.rounds import (
-    ABORTED_ON_REQUEST,
     DEFAULT_TIMEOUT_S,
-    MODEL_INCOMPLETE,
-    NOTHING_HELD,
     AlignedFailure,
     RoundClient,
     TrainerRound,
     new_trainer_id,
 )
 from weight_transfer.source import WeightSource  # in the engine's signatures, as in the spec
-from weight_transfer.transport.channel import needs_reconnect
 from weight_transfer.transport.wire import WireProtocolInfo, check_wire_protocol
 
 __all__ = [
@@ -192,7 +190,7 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
             try:
                 self.client.start_weight_update()
             except Exception as error:
-                if not (self.can_reconnect and needs_reconnect(error)):
+                if not (self.can_reconnect and refused(error, Refusal.NO_CONNECTION)):
                     raise
                 logger.warning("%s: re-admitting the workers (%s)", self.backend, error)
                 with contextlib.suppress(Exception):  # workers of a replica that did start
@@ -299,6 +297,7 @@ def synchronize_device(device: torch.device) -> None:
 
 
 _ROUND_STEPS = ("init_transfer_engine", "start_weight_update", "finish_weight_update")
+_NO_ROUND = Refusal.NO_ROUND.say("update_weights called without a matching start_weight_update")
 _KEY_ATTR = "_wt_control_key"  # where a parsed init info keeps the trainer's control key
 
 
@@ -309,7 +308,7 @@ class RoundAbortedError(RuntimeError):
 class ModelIncompleteError(RuntimeError):
     """A round whose transaction keeps no undo record failed after it loaded: the
     model holds part of it. Generation stays paused until a complete round lands;
-    the message holds `MODEL_INCOMPLETE`, which is how clients across HTTP know."""
+    the message carries `Refusal.MODEL_INCOMPLETE`, which is how clients across HTTP know."""
 
 
 def _watch_rounds(ref: weakref.ReferenceType[WeightTransferEngine[Any, Any]]) -> None:
@@ -406,7 +405,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     weights, for models whose copy does not fit) cannot roll back a round that
     loaded: the engine is then `incomplete` until a round that loads commits
     (a control round, which loads nothing, does not count). Until then it
-    resumes nothing, refuses holds, and its refusals say `MODEL_INCOMPLETE`
+    resumes nothing, refuses holds, and its refusals carry `Refusal.MODEL_INCOMPLETE`
     (`ModelIncompleteError`), so the clients leave generation paused.
     """
 
@@ -589,7 +588,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         trainer (never connected, restarted, torn down by a failed round). Core calls
         it before every round opens. The default asks the backend's `channel` (an
         object with `require()`, such as a `GroupChannel`), whose refusal says
-        `NO_GROUP`; a trainer that sees it re-admits the workers (`reconnect`)."""
+        `Refusal.NO_CONNECTION`; a trainer that sees it re-admits the workers (`reconnect`)."""
         require = getattr(getattr(self, "channel", None), "require", None)
         if callable(require):
             require()
@@ -725,8 +724,8 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         finally:
             self.transaction = None
             if self._round_loaded and not getattr(transaction, "exact_undo", True):
-                self.incomplete = (
-                    f"{MODEL_INCOMPLETE}: a round without an undo record "
+                self.incomplete = Refusal.MODEL_INCOMPLETE.say(
+                    f"the model is incomplete: a round without an undo record "
                     f"({type(transaction).__name__}) failed after it loaded "
                     f"({type(error).__name__}: {error}); generation stays paused until a "
                     "complete round lands"
@@ -750,8 +749,10 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         with self._round_lock:
             if self.transaction is not None:
                 raise RuntimeError(
-                    "init_weight_transfer_engine while a weight update is active: finish "
-                    "the round (or let it fail) before connecting a trainer"
+                    Refusal.ROUND_OPEN.say(
+                        "init_weight_transfer_engine while a weight update is active: finish "
+                        "the round (or let it fail) before connecting a trainer"
+                    )
                 )
             check: ControlCheck | None = getattr(init_info, _KEY_ATTR, None)
             holder = self._control
@@ -852,11 +853,11 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             return
         if isinstance(update_info, dict) and SEAL_FIELD in update_info:
             if self.transaction is None:
-                raise RuntimeError("update_weights called without a matching start_weight_update")
+                raise RuntimeError(_NO_ROUND)
             self._sealed = True
             return
         if self.transaction is None:
-            raise RuntimeError("update_weights called without a matching start_weight_update")
+            raise RuntimeError(_NO_ROUND)
         self.release_held()  # this round's loads reuse the buffers it holds
         try:
             self._check_still_paused()
@@ -893,7 +894,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     def _abort_on_request(self, reason: str) -> None:
         """`ABORT_FIELD`: roll the open round back and raise `RoundAbortedError`
         (the refusal is what makes the host close its round too)."""
-        message = f"{ABORTED_ON_REQUEST}: {reason}"
+        message = Refusal.ABORTED.say(f"aborted on request: {reason}")
         self._expired = None
         if self.transaction is not None:
             self._abort_round(RoundAbortedError(message))
@@ -906,8 +907,10 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         held, self.held = self.held, None
         if held is None:
             raise RuntimeError(
-                f"{type(self).__name__}: asked to revert ({reason}), but {NOTHING_HELD} "
-                "(none was asked to hold, or a later round loaded since)"
+                Refusal.NOTHING_HELD.say(
+                    f"{type(self).__name__}: asked to revert ({reason}), but no committed "
+                    "round is held (none was asked to hold, or a later round loaded since)"
+                )
             )
         logger.warning("%s: reverting the last committed round (%s)", type(self).__name__, reason)
         held.revert()
@@ -916,7 +919,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         """`HOLD_FIELD`: this round's commit keeps its undo record, or the hold is refused."""
         transaction = self.transaction
         if transaction is None:
-            raise RuntimeError("update_weights called without a matching start_weight_update")
+            raise RuntimeError(_NO_ROUND)
         if not isinstance(transaction, Revertible) or not getattr(transaction, "exact_undo", True):
             error = TypeError(
                 f"{type(self).__name__}: the round's transaction ({type(transaction).__name__}) "

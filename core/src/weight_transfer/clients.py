@@ -44,8 +44,7 @@ from weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
-from weight_transfer.control import ABORT_FIELD, REVERT_FIELD
-from weight_transfer.rounds import ABORTED_ON_REQUEST, model_incomplete, round_left_open
+from weight_transfer.control import REVERT_FIELD, Refusal, control_round, refused
 
 __all__ = [
     "WeightSyncRPCError",
@@ -119,10 +118,10 @@ class _PausingClient:
 
     def _resume_after(self, error: BaseException) -> None:
         """Resume after the workers closed a round with `error`; a resume failure is logged.
-        An engine whose model is incomplete (`model_incomplete`) stays paused."""
+        An engine whose model is incomplete (`Refusal.MODEL_INCOMPLETE`) stays paused."""
         if self.pause is None:
             return
-        if model_incomplete(error):
+        if refused(error, Refusal.MODEL_INCOMPLETE):
             logger.warning("generation stays paused until a complete round lands: %s", error)
             return
         try:
@@ -136,7 +135,7 @@ class _PausingClient:
         try:
             self._call(method)
         except BaseException as error:
-            if not round_left_open(error):  # a round still open may have a half-loaded model
+            if not refused(error, Refusal.ROUND_OPEN):  # an open round may be half-loaded
                 self._resume_after(error)
             raise
 
@@ -173,15 +172,15 @@ class _PausingClient:
     def control_round(
         self,
         payload: dict[str, Any],
-        accept: Sequence[str] = (),
+        accept: Sequence[Refusal] = (),
         *,
         paused: bool = False,
         sign: Callable[[dict[str, Any]], dict[str, Any]] = _unsigned,
     ) -> None:
         """A round that carries one in-band control and loads nothing (the
         fleet's revert and release, `weight_transfer.fleet`): start, the
-        control, finish. A refusal whose message holds one of `accept` is
-        an answer too (that refusal closed the round).
+        control, finish (`weight_transfer.control.control_round`). A refusal
+        with a code in `accept` is an answer too (that refusal closed the round).
 
         Generation is paused for a revert only (it changes the weights; the
         prefix cache is reset after it) and resumed after it (`paused`: it is
@@ -192,35 +191,20 @@ class _PausingClient:
         changes = REVERT_FIELD in payload
         if changes and self.pause is not None and not paused:
             self._pause(self.pause)
-        try:
-            try:
-                self._call("start_weight_update")
-            except WeightSyncRPCError as error:
-                if not round_left_open(error):
-                    raise
-                self._end_left_open(sign)
-                self._call("start_weight_update")
-            try:
-                self._call_update(sign(payload))
-            except WeightSyncRPCError as error:
-                if not any(answer in str(error) for answer in accept):
-                    raise
-                return
+
+        def finish() -> None:
             self._call_finish(None)
             if changes and self.reset_prefix_cache:
                 self._reset_prefix_cache()
+
+        def start() -> None:
+            self._call("start_weight_update")
+
+        try:
+            control_round(start, self._call_update, finish, payload, sign, accept)
         finally:
             if changes and self.pause is not None:
                 self._resume()
-
-    def _end_left_open(self, sign: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-        try:
-            self._call_update(
-                sign({ABORT_FIELD: "a control round starts while this one was left open"})
-            )
-        except WeightSyncRPCError as error:
-            if ABORTED_ON_REQUEST not in str(error):
-                raise
 
     def weight_version(self) -> str:
         """The engine's weight version label."""

@@ -33,15 +33,27 @@ The in-band controls are values of reserved fields in an update payload:
 `ABORT_FIELD` / `REVERT_FIELD` / `RELEASE_FIELD` carry a reason (a string),
 `HOLD_FIELD` and `SEAL_FIELD` the value `true`; anything else is refused
 (`check_control_values`).
+
+Refusals are answers too: only an error's message crosses HTTP, Ray and
+vLLM's `collective_rpc`, so every refusal a client acts on carries a
+`Refusal` code in its message (`[wt:<code>]`, written by `Refusal.say`), and
+`refusals(error)` reads them back, in this one place. vLLM's own host refusals
+(a start while its round is open, an update without a start) carry no code;
+`refusals` knows their texts. The three ways a trainer ends or drives a round
+through them are `abort_round`, `start_round` and `control_round`, used by
+every client and the fleet.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import json
+import re
 import secrets
 import threading
+from collections.abc import Callable, Collection
 from typing import Any
 
 __all__ = [
@@ -58,6 +70,12 @@ __all__ = [
     "with_control_key",
     "pop_control_key",
     "check_control_values",
+    "Refusal",
+    "refusals",
+    "refused",
+    "abort_round",
+    "start_round",
+    "control_round",
 ]
 
 CONTROL_KEY_FIELD = "wt_control_key"
@@ -241,3 +259,93 @@ def check_control_values(payload: dict[str, Any]) -> None:
     for name in _TRUE_FIELDS:
         if name in payload and payload[name] is not True:
             raise ValueError(f"update_info: field {name!r} must be true, got {payload[name]!r}")
+
+
+# -- refusals ------------------------------------------------------------------
+class Refusal(enum.Enum):
+    """A refusal a client acts on; its code travels in the error's message."""
+
+    ABORTED = "aborted"  # an in-band abort (`ABORT_FIELD`) rolled the round back
+    NOTHING_HELD = "nothing_held"  # a revert found no held commit
+    NO_CONNECTION = "no_connection"  # this side has no link to its trainer: re-admit it
+    MODEL_INCOMPLETE = "model_incomplete"  # a failed round without undo left part of it
+    ROUND_OPEN = "round_open"  # the host's round is still open (a start, an init)
+    NO_ROUND = "no_round"  # an update or finish without a started round
+
+    def say(self, message: str) -> str:
+        """`message` carrying this code."""
+        return f"[wt:{self.value}] {message}"
+
+
+_CODE = re.compile(r"\[wt:([a-z_]+)\]")
+# vLLM's host refusals, which carry no code (its worker's texts, as of 0.32 / 0.33).
+_HOST_TEXTS = {
+    "weight update is already active": Refusal.ROUND_OPEN,
+    "must be called before update_weights": Refusal.NO_ROUND,
+    "without a matching start": Refusal.NO_ROUND,
+}
+_BY_VALUE = {code.value: code for code in Refusal}
+
+
+def refusals(error: BaseException | str) -> set[Refusal]:
+    """The refusal codes `error`'s message carries (empty for any other error)."""
+    text = str(error)
+    found = {_BY_VALUE[v] for v in _CODE.findall(text) if v in _BY_VALUE}
+    found.update(code for marker, code in _HOST_TEXTS.items() if marker in text)
+    return found
+
+
+def refused(error: BaseException | str, *codes: Refusal) -> bool:
+    """Whether `error` is a refusal with one of `codes`."""
+    return not refusals(error).isdisjoint(codes)
+
+
+# -- the trainer's three ways through a round -----------------------------------
+Sign = Callable[[dict[str, Any]], Any]
+Call = Callable[[Any], None]
+
+
+def abort_round(update: Call, reason: str, sign: Sign) -> None:
+    """Roll back the round open on an engine (`ABORT_FIELD` sent through `update`,
+    its `update_weights`); a round already closed there is fine. An engine that
+    accepts the abort as an update is not a wt engine: `RuntimeError`."""
+    try:
+        update(sign({ABORT_FIELD: reason}))
+    except Exception as error:
+        if refused(error, Refusal.ABORTED, Refusal.NO_ROUND):
+            return
+        raise
+    raise RuntimeError("the engine accepted an abort as an update: it is not a wt engine")
+
+
+def start_round(start: Callable[[], None], abort: Callable[[str], None]) -> None:
+    """`start()`; a round the host still holds open (a trainer died in it) is
+    rolled back first (`abort(reason)`), then started once more."""
+    try:
+        start()
+    except Exception as error:
+        if not refused(error, Refusal.ROUND_OPEN):
+            raise
+        abort("a new round starts while this one was left open")
+        start()
+
+
+def control_round(
+    start: Callable[[], None],
+    update: Call,
+    finish: Callable[[], None],
+    payload: dict[str, Any],
+    sign: Sign,
+    accept: Collection[Refusal] = (),
+) -> None:
+    """A round that carries one in-band control and loads nothing: start (past a
+    round left open), the signed control, finish. A refusal with a code in
+    `accept` is an answer too (that refusal closed the round)."""
+    start_round(start, lambda reason: abort_round(update, reason, sign))
+    try:
+        update(sign(payload))
+    except Exception as error:
+        if refused(error, *accept):
+            return
+        raise
+    finish()

@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any, TypeVar
 
+from weight_transfer import control
 from weight_transfer.base import UpdatePayload
 from weight_transfer.clients import (
     HTTPVLLMWeightSyncClient,
@@ -54,19 +55,14 @@ from weight_transfer.clients import (
     WeightSyncRPCError,
 )
 from weight_transfer.control import (
-    ABORT_FIELD,
     HOLD_FIELD,
     RELEASE_FIELD,
     REVERT_FIELD,
     ControlKey,
+    Refusal,
     with_control_key,
 )
-from weight_transfer.rounds import (
-    ABORTED_ON_REQUEST,
-    DEFAULT_TIMEOUT_S,
-    NOTHING_HELD,
-    round_left_open,
-)
+from weight_transfer.rounds import DEFAULT_TIMEOUT_S
 from weight_transfer.transport.futures import PEER_GRACE_S, in_background
 
 __all__ = ["FanOutClient", "FleetError", "PHASES"]
@@ -75,9 +71,6 @@ logger = logging.getLogger("weight_transfer")
 
 T = TypeVar("T")
 PHASES = ("init", "start", "update", "finish")
-# How hosts refuse an update when their round is already closed (vLLM's worker,
-# WorkerSession, the engine base): an abort then has nothing left to do.
-_NO_ROUND_MARKERS = ("must be called before update_weights", "without a matching start")
 _CONFIRM_PERIOD_S = 1.0  # between two reads of a replica whose rollback is unconfirmed
 _CONFIRM_WITHIN_S = 30.0  # how long such a replica is asked again
 
@@ -122,10 +115,6 @@ class FleetError(WeightSyncRPCError):
         self.unrecovered += failures
         self.detail = self._detail()
         self.args = (f"{self.method} failed on the inference side: {self.detail}",)
-
-
-def _answered(error: BaseException, markers: Sequence[str]) -> bool:
-    return any(marker in str(error) for marker in markers)
 
 
 class FanOutClient:
@@ -429,7 +418,7 @@ class FanOutClient:
         """Revert `which` to their held records and labels. Not `required`: a
         replica holding nothing (it never committed) is fine. Generation on
         them is paused (a finish that keeps it paused) and resumed after."""
-        accept = () if required else (NOTHING_HELD,)
+        accept = () if required else (Refusal.NOTHING_HELD,)
 
         def revert(i: int, replica: Any) -> None:
             paused = bool(getattr(replica, "resumes_on_request", False))
@@ -474,13 +463,7 @@ Sign = Callable[[dict[str, Any]], dict[str, Any]]
 
 def _start(replica: Any, sign: Sign) -> None:
     """Start a round; one left open there (a trainer that died in it) is aborted first."""
-    try:
-        replica.start_weight_update()
-    except Exception as error:
-        if not round_left_open(error):
-            raise
-        _abort(replica, "a new round starts while this one was left open", sign)
-        replica.start_weight_update()
+    control.start_round(replica.start_weight_update, lambda reason: _abort(replica, reason, sign))
 
 
 def _finish(replica: Any, weight_version: str | None) -> None:
@@ -500,38 +483,33 @@ def _resume(replica: Any) -> None:
 
 def _abort(replica: Any, reason: str, sign: Sign) -> None:
     """End the replica's round, rolling it back; a round already closed is fine."""
-    try:
-        replica.update_weights(sign({ABORT_FIELD: reason}))
-    except Exception as error:
-        if not _answered(error, (ABORTED_ON_REQUEST, *_NO_ROUND_MARKERS)):
-            raise
-        return
-    raise RuntimeError("the replica accepted an abort as an update: its engine is not a wt engine")
+    control.abort_round(replica.update_weights, reason, sign)
 
 
 def _control_round(
     replica: Any,
     payload: dict[str, Any],
     sign: Sign,
-    accept: Sequence[str] = (),
+    accept: Sequence[Refusal] = (),
     *,
     paused: bool = False,
 ) -> None:
-    """A round that carries one in-band control and loads nothing: start, the
-    control, finish; a refusal naming one of `accept` is an answer too.
+    """A round that carries one in-band control and loads nothing
+    (`weight_transfer.control.control_round`), through the replica's own
+    `control_round` where it has one (it pauses generation around a revert).
     `paused`: the replica's generation is paused already (the client resumes it)."""
     run = getattr(replica, "control_round", None)
     if callable(run):
         run(payload, accept, paused=paused, sign=sign)
         return
-    _start(replica, sign)
-    try:
-        replica.update_weights(sign(payload))
-    except Exception as error:
-        if _answered(error, accept):
-            return
-        raise
-    replica.finish_weight_update()
+    control.control_round(
+        replica.start_weight_update,
+        replica.update_weights,
+        replica.finish_weight_update,
+        payload,
+        sign,
+        accept,
+    )
 
 
 def _weight_version(replica: Any) -> str | None:

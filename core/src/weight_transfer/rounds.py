@@ -43,6 +43,8 @@ from weight_transfer.control import (
     REVERT_FIELD,
     SEAL_FIELD,
     ControlKey,
+    abort_round,
+    start_round,
     with_control_key,
 )
 from weight_transfer.hooks import SyncTracker
@@ -59,37 +61,12 @@ __all__ = [
     "REVERT_FIELD",
     "RELEASE_FIELD",
     "new_trainer_id",
-    "round_left_open",
-    "MODEL_INCOMPLETE",
-    "model_incomplete",
 ]
 
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 300.0
 UPDATE_CALL = "the workers' update_weights"
-# The engine refuses an abort (`ABORT_FIELD`, see `weight_transfer.control`) with a
-# message starting ABORTED_ON_REQUEST; only the message crosses HTTP.
-ABORTED_ON_REQUEST = "aborted on request"
-NOTHING_HELD = "no committed round is held"  # a revert with nothing to revert
-# How hosts refuse a start while their round is open (vLLM's worker, WorkerSession).
-_ROUND_OPEN_MARKERS = ("weight update is already active", "while a weight update is active")
-
-
-# An engine whose round failed without an undo record (`exact_undo` False) says so in
-# every refusal until a complete round lands; its clients then leave generation paused.
-MODEL_INCOMPLETE = "the model is incomplete"
-
-
-def model_incomplete(error: BaseException) -> bool:
-    """Whether `error` is an engine saying its model holds a failed round's partial
-    weights (no undo record): generation must stay paused until a complete round."""
-    return MODEL_INCOMPLETE in str(error)
-
-
-def round_left_open(error: BaseException) -> bool:
-    """Whether `error` is a host refusing a start because its round is still open."""
-    return any(marker in str(error) for marker in _ROUND_OPEN_MARKERS)
 
 
 def new_trainer_id() -> str:
@@ -138,21 +115,11 @@ class RoundClient:
         if leftover is not None:
             with contextlib.suppress(Exception):
                 leftover.exception(timeout=self.timeout_s)
-        try:
-            self.inner.start_weight_update()
-        except Exception as error:
-            if not round_left_open(error):
-                raise
-            self.abort_round("a new round starts while this one was left open")
-            self.inner.start_weight_update()
+        start_round(self.inner.start_weight_update, self.abort_round)
 
     def abort_round(self, reason: str) -> None:
         """End the round open on the workers, rolling it back (`ABORT_FIELD`)."""
-        try:
-            self.inner.update_weights(self.control.sign({ABORT_FIELD: reason}))
-        except Exception as error:
-            if ABORTED_ON_REQUEST not in str(error):
-                raise
+        abort_round(self.inner.update_weights, reason, self.control.sign)
 
     def update_weights(self, update_info: Any) -> None:
         self.wait_update()

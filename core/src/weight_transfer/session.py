@@ -23,7 +23,7 @@ from weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
-from weight_transfer.control import ControlRefused
+from weight_transfer.control import ControlRefused, Refusal
 
 __all__ = ["WorkerSession"]
 
@@ -55,8 +55,10 @@ class WorkerSession:
     def _start(self, *, draft: bool) -> None:
         if self._active:
             raise RuntimeError(
-                "start_weight_update called while a weight update is active; "
-                "call finish_weight_update first"
+                Refusal.ROUND_OPEN.say(
+                    "start_weight_update called while a weight update is active; "
+                    "call finish_weight_update first"
+                )
             )
         if draft:
             if not self.engine.supports_draft_weight_update:
@@ -77,7 +79,9 @@ class WorkerSession:
         if isinstance(update_info, WeightTransferUpdateRequest):
             update_info = update_info.update_info
         if not self._active:
-            raise RuntimeError("start_weight_update must be called before update_weights")
+            raise RuntimeError(
+                Refusal.NO_ROUND.say("start_weight_update must be called before update_weights")
+            )
         if isinstance(update_info, list):
             position = self.engine.position
             if len(update_info) != position.total_workers:
@@ -95,7 +99,11 @@ class WorkerSession:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if not self._active:
-            raise RuntimeError("finish_weight_update called without a matching start_weight_update")
+            raise RuntimeError(
+                Refusal.NO_ROUND.say(
+                    "finish_weight_update called without a matching start_weight_update"
+                )
+            )
         try:
             self.engine.finish_weight_update()  # a failed finish has rolled back
         except ControlRefused:

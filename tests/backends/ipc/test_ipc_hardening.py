@@ -252,7 +252,7 @@ def test_a_worker_whose_link_was_closed_is_readmitted_at_the_next_sync() -> None
 
 def test_a_fresh_engine_refuses_a_start_with_no_group_and_is_readmitted() -> None:
     """The trainer's link to the old process is intact, so only the fresh engine's
-    refusal of the start (core's `NO_GROUP`) can tell the trainer to attach again."""
+    refusal of the start (core's `Refusal.NO_CONNECTION`) can tell the trainer to attach again."""
     with WorkerPool("ipc", 1, model_factory=MODEL) as p:
         client = Tampering(FreshClient(p))
         engine = connect(p, DictSource(mixed_tensors(1, big_numel=BIG)), client)

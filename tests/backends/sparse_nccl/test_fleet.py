@@ -7,7 +7,7 @@ replica holds the previous weights bit-exactly with the previous label, and the
 next round moves all three (re-forming the group if the failure tore it down).
 
 In worker processes: two replicas, one killed and restarted between rounds;
-the next round re-admits it (`NO_GROUP` refusal, then `reconnect`).
+the next round re-admits it (`Refusal.NO_CONNECTION`, then `reconnect`).
 """
 
 from __future__ import annotations

@@ -216,6 +216,6 @@ def test_engine_flags_and_ordering_errors() -> None:
     with pytest.raises(RuntimeError, match="does not support draft"):
         session.start_draft_weight_update()
     with pytest.raises(RuntimeError, match=r"no transfer group \(it has not been connected yet\)"):
-        session.start_weight_update()  # the refusal that makes a trainer re-admit (NO_GROUP)
+        session.start_weight_update()  # Refusal.NO_CONNECTION: the trainer re-admits
     assert not session.active
     assert_same_bits({n: p.detach() for n, p in engine.model.named_parameters()}, initial_state())

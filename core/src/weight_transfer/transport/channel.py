@@ -18,19 +18,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Generic, Protocol, TypeVar
 
+from weight_transfer.control import Refusal
 from weight_transfer.rounds import AlignedFailure
 
-__all__ = ["GroupChannel", "ChannelDownError", "Link", "NO_GROUP", "needs_reconnect"]
-
-# How a side without a group refuses (`GroupChannel.require`): a trainer that
-# sees it from a worker re-forms the group (`TrainerWeightTransferEngine.reconnect`).
-NO_GROUP = "no transfer group"
-
-
-def needs_reconnect(error: BaseException) -> bool:
-    """Whether `error` is a side refusing because it has no group (never connected,
-    restarted, torn down): what a new handshake cures."""
-    return NO_GROUP in str(error)
+__all__ = ["GroupChannel", "ChannelDownError", "Link"]
 
 
 class Link(Protocol):
@@ -72,7 +63,13 @@ class GroupChannel(Generic[L]):
 
     def require(self) -> L:
         if self.group is None:
-            raise ChannelDownError(f"{self.name}: {NO_GROUP} ({self.reason}); {self.remedy}")
+            # `Refusal.NO_CONNECTION`: a trainer that sees it from a worker re-forms the
+            # group (`TrainerWeightTransferEngine.reconnect`).
+            raise ChannelDownError(
+                Refusal.NO_CONNECTION.say(
+                    f"{self.name}: no transfer group ({self.reason}); {self.remedy}"
+                )
+            )
         return self.group
 
     def drop(self, reason: str) -> None:

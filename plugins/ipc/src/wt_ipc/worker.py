@@ -8,7 +8,7 @@ says hello. Only then does the new attachment replace the one this engine
 had: a refused init leaves a working attachment exactly as it was.
 
 `start_weight_update` refuses a round without a live attachment with core's
-`NO_GROUP` message (a restarted engine, one whose link closed), which makes
+`Refusal.NO_CONNECTION` message (a restarted engine, one whose link closed), which makes
 the trainer attach every worker again (`reconnect`) and start once more.
 
 `receive_weights` walks the same layout as the trainer. It first compares
@@ -120,7 +120,7 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
         return link, staging
 
     def start_weight_update(self) -> None:
-        """Refuse a round without a live attachment (`NO_GROUP`: the trainer attaches
+        """Refuse a round without a live attachment (`Refusal.NO_CONNECTION`: the trainer attaches
         every worker again, then starts once more); nothing else beyond core's
         transaction (the loader has begun)."""
         self._detach_if_trainer_left()

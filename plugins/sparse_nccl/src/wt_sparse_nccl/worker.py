@@ -18,7 +18,7 @@ a commit asked to hold (an all-or-nothing fleet round) keeps its undo log, so
 `revert()` restores what the model served before the round and `release()`
 drops the log (O(nnz) either way). A start without a group (a restarted
 worker, or one whose group a failed round tore down) is refused with core's
-`NO_GROUP` message, and the trainer re-forms the group (`reconnect`).
+`Refusal.NO_CONNECTION` message, and the trainer re-forms the group (`reconnect`).
 
 Patches are in checkpoint coordinates (HF name, full shape). How they reach
 the model is a `SparsePatcher`, chosen per round by `patcher_for(model,
