@@ -23,7 +23,7 @@ from weight_transfer import (
 from weight_transfer.base import ABORT_FIELD, RoundAbortedError, synchronize_device
 from weight_transfer.loading import DirectLoader, loader_for
 from weight_transfer.position import worker_position
-from weight_transfer.transport.wire import (
+from weight_transfer.wire import (
     WIRE_PROTOCOL_VERSION,
     ProtocolMismatchError,
     WireProtocolInfo,

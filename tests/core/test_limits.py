@@ -21,7 +21,7 @@ from weight_transfer.backend import (
     parse_payload,
 )
 from weight_transfer.transport.auth import new_secret
-from weight_transfer.transport.wire import WIRE_PROTOCOL_VERSION
+from weight_transfer.wire import WIRE_PROTOCOL_VERSION
 
 
 def _group(**extra: Any) -> dict[str, Any]:

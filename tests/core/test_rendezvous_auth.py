@@ -39,9 +39,9 @@ from weight_transfer.backend import (
     trainer_rendezvous,
 )
 from weight_transfer.transport.auth import new_secret
-from weight_transfer.transport.futures import in_background
 from weight_transfer.transport.store import StoreRefused, StoreServer, connect_store
-from weight_transfer.transport.wire import WIRE_PROTOCOL_VERSION
+from weight_transfer.waiting import in_background
+from weight_transfer.wire import WIRE_PROTOCOL_VERSION
 
 HOST = "127.0.0.1"
 TRAINER = "trainer-under-test"

@@ -41,8 +41,8 @@ from weight_transfer.backend import StatelessGroup, free_port
 from weight_transfer.transport import group as group_module
 from weight_transfer.transport import store as store_module
 from weight_transfer.transport.auth import new_secret
-from weight_transfer.transport.futures import in_background
 from weight_transfer.transport.store import RemoteStore, StoreServer, connect_store
+from weight_transfer.waiting import in_background
 
 WAIT_S = 60.0
 

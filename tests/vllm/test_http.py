@@ -635,7 +635,7 @@ def test_http_random_control_sequences_keep_the_engine_servable(
     each, a completion succeeds and equals the reference of the last committed weights."""
     import random
 
-    from weight_transfer.transport.wire import WIRE_PROTOCOL_VERSION
+    from weight_transfer.wire import WIRE_PROTOCOL_VERSION
 
     http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
     raw = HTTPVLLMWeightSyncClient(server.url, timeout=60.0)

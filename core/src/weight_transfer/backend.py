@@ -82,6 +82,7 @@ from weight_transfer.base import (
     trainer_device,
 )
 from weight_transfer.control import Refusal, refused
+from weight_transfer.dtypes import WIRE_DTYPES, dtype_from_name, dtype_name
 from weight_transfer.hooks import SyncTracker, track_sync
 from weight_transfer.limits import (
     MAX_BUFFERS,
@@ -145,17 +146,6 @@ from weight_transfer.transport.digest import (
     digest,
     run_receive_hooks,
 )
-from weight_transfer.transport.dtypes import WIRE_DTYPES, dtype_from_name, dtype_name
-from weight_transfer.transport.futures import (
-    PEER_GRACE_S,
-    CollectiveError,
-    TransferTimeout,
-    all_settle,
-    await_transfer,
-    in_background,
-    wait_for,
-    work_future,
-)
 from weight_transfer.transport.group import StatelessGroup, free_port
 from weight_transfer.transport.local import (
     RELEASED,
@@ -189,12 +179,22 @@ from weight_transfer.transport.rendezvous import (
 )
 from weight_transfer.transport.shm import SharedSegment
 from weight_transfer.transport.stream import LoadFailed, LoadPipeline, SendWindow
-from weight_transfer.transport.wire import (
+from weight_transfer.vllm.loader import RELOAD_LOGGER, quiet_reload_warnings
+from weight_transfer.waiting import (
+    PEER_GRACE_S,
+    CollectiveError,
+    TransferTimeout,
+    all_settle,
+    await_transfer,
+    in_background,
+    wait_for,
+    work_future,
+)
+from weight_transfer.wire import (
     WIRE_PROTOCOL_VERSION,
     ProtocolMismatchError,
     WireProtocolInfo,
 )
-from weight_transfer.vllm.loader import RELOAD_LOGGER, quiet_reload_warnings
 
 __all__ = [
     # trainer side

@@ -63,7 +63,7 @@ from weight_transfer.rounds import (
     new_trainer_id,
 )
 from weight_transfer.source import WeightSource  # in the engine's signatures, as in the spec
-from weight_transfer.transport.wire import WireProtocolInfo, check_wire_protocol
+from weight_transfer.wire import WireProtocolInfo, check_wire_protocol
 
 __all__ = [
     "WeightSource",
@@ -253,7 +253,7 @@ class WeightTransferInitInfo:
     """Base of a backend's init info (what the trainer ships once, in the handshake).
 
     A backend built on core's shared layout and codec also mixes in
-    `weight_transfer.transport.wire.WireProtocolInfo`, and its handshake's
+    `weight_transfer.wire.WireProtocolInfo`, and its handshake's
     `wire_protocol` is then required and checked before anything is parsed.
     """
 

@@ -71,6 +71,7 @@ __all__ = [
     "pop_control_key",
     "check_control_values",
     "Refusal",
+    "ChannelDownError",
     "refusals",
     "refused",
     "abort_round",
@@ -275,6 +276,11 @@ class Refusal(enum.Enum):
     def say(self, message: str) -> str:
         """`message` carrying this code."""
         return f"[wt:{self.value}] {message}"
+
+
+class ChannelDownError(RuntimeError):
+    """A side has no link to its trainer (`Refusal.NO_CONNECTION`); the message
+    says why and how to get one."""
 
 
 _CODE = re.compile(r"\[wt:([a-z_]+)\]")

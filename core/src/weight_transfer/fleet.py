@@ -47,7 +47,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any, TypeVar
 
-from weight_transfer import control
 from weight_transfer.base import UpdatePayload
 from weight_transfer.clients import (
     HTTPVLLMWeightSyncClient,
@@ -60,10 +59,13 @@ from weight_transfer.control import (
     REVERT_FIELD,
     ControlKey,
     Refusal,
+    abort_round,
+    control_round,
+    start_round,
     with_control_key,
 )
 from weight_transfer.rounds import DEFAULT_TIMEOUT_S
-from weight_transfer.transport.futures import PEER_GRACE_S, in_background
+from weight_transfer.waiting import PEER_GRACE_S, in_background
 
 __all__ = ["FanOutClient", "FleetError", "PHASES"]
 
@@ -463,7 +465,7 @@ Sign = Callable[[dict[str, Any]], dict[str, Any]]
 
 def _start(replica: Any, sign: Sign) -> None:
     """Start a round; one left open there (a trainer that died in it) is aborted first."""
-    control.start_round(replica.start_weight_update, lambda reason: _abort(replica, reason, sign))
+    start_round(replica.start_weight_update, lambda reason: _abort(replica, reason, sign))
 
 
 def _finish(replica: Any, weight_version: str | None) -> None:
@@ -483,7 +485,7 @@ def _resume(replica: Any) -> None:
 
 def _abort(replica: Any, reason: str, sign: Sign) -> None:
     """End the replica's round, rolling it back; a round already closed is fine."""
-    control.abort_round(replica.update_weights, reason, sign)
+    abort_round(replica.update_weights, reason, sign)
 
 
 def _control_round(
@@ -502,7 +504,7 @@ def _control_round(
     if callable(run):
         run(payload, accept, paused=paused, sign=sign)
         return
-    control.control_round(
+    control_round(
         replica.start_weight_update,
         replica.update_weights,
         replica.finish_weight_update,

@@ -32,8 +32,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from weight_transfer.slices import LoadFn, Scatter, storage_id, write_scatter
-from weight_transfer.transport.phases import timed
+from weight_transfer.phases import timed
+from weight_transfer.slices import (
+    DryRun,
+    Scatter,
+    parameter_targets,
+    write_scatter,
+)
 
 __all__ = [
     "Transaction",
@@ -99,11 +104,6 @@ class WeightLoader(Transaction, Protocol):
         """Load a batch of full tensors by HF name."""
 
 
-# What a dry run hands the recorder: the model's load function and its
-# parameters by storage (`weight_transfer.slices.record_slices`'s `targets`).
-DryRun = tuple[LoadFn, dict[int, tuple[str, str, torch.Tensor]]]
-
-
 @runtime_checkable
 class SliceLoader(WeightLoader, Protocol):
     """A loader that also takes recorded slices (`weight_transfer.slices`).
@@ -125,17 +125,6 @@ class SliceLoader(WeightLoader, Protocol):
     def write(self, scatter: Scatter, src: torch.Tensor) -> None: ...
 
     def end_module(self, module: str) -> None: ...
-
-
-def parameter_targets(
-    modules: Iterable[tuple[str, torch.nn.Module]],
-) -> dict[int, tuple[str, str, torch.Tensor]]:
-    """`(module name, parameter name, parameter)` by storage, for a dry run."""
-    targets: dict[int, tuple[str, str, torch.Tensor]] = {}
-    for module_name, module in modules:
-        for param_name, param in module.named_parameters(recurse=False):
-            targets[storage_id(param)] = (module_name, param_name, param)
-    return targets
 
 
 class DirectLoader:

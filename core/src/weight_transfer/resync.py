@@ -41,10 +41,10 @@ from weight_transfer.base import (
     VLLMWeightSyncClient,
     WeightTransferUpdateInfo,
 )
+from weight_transfer.control import ChannelDownError
+from weight_transfer.dtypes import dtype_from_name, dtype_name
 from weight_transfer.rounds import DEFAULT_TIMEOUT_S, Transfer
 from weight_transfer.source import ParamMeta, WeightSource, checked_iteration
-from weight_transfer.transport.channel import ChannelDownError
-from weight_transfer.transport.dtypes import dtype_from_name, dtype_name
 
 __all__ = [
     "ResyncTrainerEngine",

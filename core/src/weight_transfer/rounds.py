@@ -30,11 +30,11 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from weight_transfer.control import (
     ABORT_FIELD,
@@ -48,7 +48,7 @@ from weight_transfer.control import (
     with_control_key,
 )
 from weight_transfer.hooks import SyncTracker
-from weight_transfer.transport.futures import PEER_GRACE_S, await_transfer, in_background
+from weight_transfer.waiting import PEER_GRACE_S, await_transfer, in_background
 
 __all__ = [
     "RoundClient",
@@ -61,6 +61,8 @@ __all__ = [
     "REVERT_FIELD",
     "RELEASE_FIELD",
     "new_trainer_id",
+    "Replicas",
+    "fleet_of",
 ]
 
 T = TypeVar("T")
@@ -159,6 +161,22 @@ class RoundClient:
             self.inner.finish_weight_update()
         else:
             self.inner.finish_weight_update(weight_version)
+
+
+class Replicas(Protocol):
+    """A client of several engines, each with its own handshake (`FanOutClient`)."""
+
+    replicas: Sequence[Any]
+
+    def init_replicas(self, payloads: Sequence[dict[str, Any]]) -> None: ...
+
+
+def fleet_of(client: Any) -> Replicas | None:
+    """The replica set behind `client` (seen through `RoundClient` or not), if any."""
+    inner = client.inner if isinstance(client, RoundClient) else client
+    if callable(getattr(inner, "init_replicas", None)) and hasattr(inner, "replicas"):
+        return inner
+    return None
 
 
 class AlignedFailure(Exception):

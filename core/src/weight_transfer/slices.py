@@ -29,14 +29,14 @@ dtype is the source's dtype after its chain (a `view(dtype)` reinterprets).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from weight_transfer.dtypes import dtype_from_name, dtype_name
 from weight_transfer.source import ParamMeta
-from weight_transfer.transport.dtypes import dtype_from_name, dtype_name
 
 __all__ = [
     "ALLOWED_OPS",
@@ -375,3 +375,19 @@ def write_scatter(param: torch.Tensor, scatter: Scatter, src: torch.Tensor) -> N
     )
     with torch.no_grad():
         dest.copy_(src.view(scatter.src_shape))
+
+
+# What a dry run hands the recorder: the model's load function and its
+# parameters by storage (`record_slices`'s `targets`).
+DryRun = tuple[LoadFn, dict[int, tuple[str, str, torch.Tensor]]]
+
+
+def parameter_targets(
+    modules: Iterable[tuple[str, torch.nn.Module]],
+) -> dict[int, tuple[str, str, torch.Tensor]]:
+    """`(module name, parameter name, parameter)` by storage, for a dry run."""
+    targets: dict[int, tuple[str, str, torch.Tensor]] = {}
+    for module_name, module in modules:
+        for param_name, param in module.named_parameters(recurse=False):
+            targets[storage_id(param)] = (module_name, param_name, param)
+    return targets

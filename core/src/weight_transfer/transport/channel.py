@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Generic, Protocol, TypeVar
 
-from weight_transfer.control import Refusal
+from weight_transfer.control import ChannelDownError, Refusal
 from weight_transfer.rounds import AlignedFailure
 
 __all__ = ["GroupChannel", "ChannelDownError", "Link"]
@@ -35,10 +35,6 @@ class Link(Protocol):
 
 
 L = TypeVar("L", bound=Link)
-
-
-class ChannelDownError(RuntimeError):
-    """The channel has no group; the message says why and how to get one."""
 
 
 class GroupChannel(Generic[L]):

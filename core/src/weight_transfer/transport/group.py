@@ -36,13 +36,13 @@ import torch
 import torch.distributed as dist
 
 from weight_transfer.transport.auth import check_secret
-from weight_transfer.transport.futures import CollectiveError, TransferTimeout, wait_work
 from weight_transfer.transport.store import (
     HANDSHAKE_TIMEOUT_S,
     RemoteStore,
     StoreServer,
     connect_store,
 )
+from weight_transfer.waiting import CollectiveError, TransferTimeout, wait_work
 
 __all__ = ["StatelessGroup", "Hosting", "free_port", "LIVENESS_PERIOD_S"]
 

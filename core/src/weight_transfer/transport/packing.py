@@ -33,13 +33,13 @@ from typing import Any
 import torch
 
 from weight_transfer.limits import MAX_BUFFERS, check_int_range, check_staging, host_memory_bytes
+from weight_transfer.phases import timed
 from weight_transfer.source import (
     ParamMeta,
     first_non_finite,
     layerwise_groups,
     non_finite_error,
 )
-from weight_transfer.transport.phases import timed
 
 __all__ = [
     "ALIGNMENT",

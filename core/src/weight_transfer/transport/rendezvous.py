@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from weight_transfer.base import VLLMWeightSyncClient, WeightTransferInitInfo, trainer_device
-from weight_transfer.fleet import FanOutClient
 from weight_transfer.limits import check_int_range, check_timeout
 from weight_transfer.position import WorkerPosition
+from weight_transfer.rounds import fleet_of
 from weight_transfer.transport.auth import check_secret, new_secret
-from weight_transfer.transport.futures import in_background, wait_for
 from weight_transfer.transport.group import Hosting, StatelessGroup
-from weight_transfer.transport.wire import WireProtocolInfo
+from weight_transfer.waiting import in_background, wait_for
+from weight_transfer.wire import WireProtocolInfo
 
 __all__ = ["GroupTrainerFields", "GroupInitInfo", "trainer_rendezvous", "join_group"]
 
@@ -172,12 +172,6 @@ def trainer_rendezvous(
         raise
     group: StatelessGroup = results["the rendezvous"]
     return group
-
-
-def fleet_of(client: Any) -> FanOutClient | None:
-    """The `FanOutClient` behind `client` (seen through `RoundClient` or not), if any."""
-    inner = getattr(client, "inner", client)
-    return inner if isinstance(inner, FanOutClient) else None
 
 
 def replica_payloads(

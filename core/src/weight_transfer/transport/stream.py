@@ -38,11 +38,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from weight_transfer.phases import timed
 from weight_transfer.rounds import AlignedFailure, Transfer
 from weight_transfer.transport.digest import BucketDigests, DigestMismatch, run_receive_hooks
-from weight_transfer.transport.futures import all_settle
 from weight_transfer.transport.packing import RotatingBuffers, Unpacker
-from weight_transfer.transport.phases import timed
+from weight_transfer.waiting import all_settle
 
 __all__ = ["SendWindow", "LoadPipeline", "LoadFailed"]
 

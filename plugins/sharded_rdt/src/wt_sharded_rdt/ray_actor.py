@@ -1,4 +1,4 @@
-"""`RDTProducer`: the producer as a Ray actor whose `serve` returns over NIXL.
+"""`ProducerActor` / `RDTProducer`: the producer as a Ray actor whose `serve` returns over NIXL.
 
 Imported only by the nixl transport (it imports Ray). The class lives at
 module level so that every process can import it by name: a handle resolved
@@ -7,15 +7,95 @@ with `ray.get_actor` learns which methods use tensor transport from it.
 
 from __future__ import annotations
 
+import gc
+import math
+import os
 from typing import Any
 
 import ray
 import torch
 
-from weight_transfer.backend import FetchKey
-from wt_sharded_rdt.transport import ProducerActor
+from weight_transfer.backend import FetchKey, SharedSegment, dtype_from_name
+from wt_sharded_rdt.producer import Producer
 
-__all__ = ["RDTProducer"]
+__all__ = ["ProducerActor", "RDTProducer"]
+
+
+class ProducerActor:
+    """The Ray actor around a `Producer` (`wt_sharded_rdt.ray_actor.RDTProducer`).
+
+    It maps the trainer rank's staging segments (checking they belong to the
+    trainer's pid and uid) and serves pulls over NIXL.
+    """
+
+    def __init__(
+        self,
+        producer_kwargs: dict[str, Any],
+        segment_names: list[str],
+        segment_bytes: int,
+        trainer_pid: int,
+        trainer_uid: int,
+    ) -> None:
+        self.segments = [
+            SharedSegment.attach(name, segment_bytes, owner_pid=trainer_pid, owner_uid=trainer_uid)
+            for name in segment_names
+        ]
+        self.producer = Producer(**producer_kwargs)
+        gc.freeze()  # a full collection must not stall a serve
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def describe(self) -> dict[str, Any]:
+        return self.producer.describe()
+
+    def begin_sync(self, sync_id: int, live: list[int]) -> None:
+        self.producer.begin_sync(sync_id, live)
+
+    def publish_staged(
+        self, group: int, slot: int, layout: list[tuple[str, int, str, list[int]]]
+    ) -> None:
+        base = self.segments[slot].tensor
+        tensors = {}
+        for name, offset, dtype, shape in layout:
+            dt = dtype_from_name(dtype, field="layout dtype")
+            nbytes = math.prod(shape) * dt.itemsize
+            tensors[name] = base[offset : offset + nbytes].view(dt).view(shape)
+        self.producer.publish(group, tensors)
+
+    def wait_freed(self, within_s: float) -> list[int]:
+        return self.producer.wait_freed(within_s)
+
+    def end_sync(self) -> None:
+        self.producer.end_sync()
+
+    def set_error(self, message: str, sync_id: int | None = None) -> None:
+        self.producer.set_error(message, sync_id)
+
+    def reserve(self, consumer: int, nbytes: int) -> None:
+        self.producer.reserve(consumer, nbytes)
+
+    def free(self, sync_id: int, consumer: int, group: int) -> bool:
+        return self.producer.free(sync_id, consumer, group)
+
+    def heartbeat(self, sync_id: int, consumer: int) -> None:
+        self.producer.heartbeat(sync_id, consumer)
+
+    def skip(self, sync_id: int, consumer: int) -> None:
+        self.producer.skip(sync_id, consumer)
+
+    def consumer_failed(self, sync_id: int, consumer: int, message: str) -> None:
+        self.producer.consumer_failed(sync_id, consumer, message)
+
+    def serve(
+        self,
+        sync_id: int,
+        consumer: int,
+        seq: int,
+        keys: list[FetchKey],
+        expect: list[tuple[str, int]],
+    ) -> list[torch.Tensor]:
+        return [self.producer.serve(sync_id, consumer, seq, keys, expect)]
 
 
 class _NixlProducer(ProducerActor):

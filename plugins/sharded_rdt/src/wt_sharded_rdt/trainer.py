@@ -52,6 +52,7 @@ from weight_transfer.backend import (
     payload_of,
     wait_for,
 )
+from wt_sharded_rdt.links import host_producer, producer_client, ray_location
 from wt_sharded_rdt.producer import ProducerError
 from wt_sharded_rdt.protocol import (
     DEFAULT_CHUNK_BYTES,
@@ -63,14 +64,7 @@ from wt_sharded_rdt.protocol import (
     metadata_digest,
     owner_table,
 )
-from wt_sharded_rdt.transport import (
-    ProducerClient,
-    ProducerHost,
-    forwarded_env,
-    host_producer,
-    producer_client,
-    ray_location,
-)
+from wt_sharded_rdt.transport import ProducerClient, ProducerHost, forwarded_env
 
 __all__ = ["ShardedRDTTrainerInitInfo", "ShardedRDTTrainerEngine"]
 

@@ -67,6 +67,7 @@ from weight_transfer.backend import (
     record_slices,
     run_receive_hooks,
 )
+from wt_sharded_rdt.links import producer_client
 from wt_sharded_rdt.protocol import (
     Chunk,
     ConsumerPlan,
@@ -79,7 +80,7 @@ from wt_sharded_rdt.protocol import (
     owner_table,
     pull_span,
 )
-from wt_sharded_rdt.transport import Pending, ProducerClient, producer_client
+from wt_sharded_rdt.transport import Pending, ProducerClient
 
 __all__ = ["ShardedRDTWorkerEngine", "bake"]
 

@@ -16,6 +16,7 @@ fields).
 
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,10 +45,12 @@ class ProtocolMismatchError(ValueError):
 
 
 def _wheel_hint() -> str:
-    from weight_transfer import __version__
-
+    try:
+        version = importlib.metadata.version("wt-core")
+    except importlib.metadata.PackageNotFoundError:
+        version = "(not installed as a distribution)"
     return (
-        f"this worker has wt-core {__version__}; install the same wt-core version "
+        f"this worker has wt-core {version}; install the same wt-core version "
         "(and matching backend wheels) in the trainer and the inference environment"
     )
 
