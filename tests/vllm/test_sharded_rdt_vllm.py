@@ -184,7 +184,7 @@ def test_a_restarted_replica_is_readmitted_at_the_next_sync(
 ) -> None:
     """Replica 1's engine is killed and started again from the checkpoint it served,
     as a new actor, while the trainer keeps running: the next `send_weights` finds it
-    without a transfer engine (its start is refused with `NO_GROUP`), sends every
+    without a transfer engine (its start is refused with `Refusal.NO_CONNECTION`), sends every
     replica its handshake again (`reconnect`) and syncs both; a further sync works."""
     source = SwitchSource(ModuleSource(hf_model(2)))
     clients = clients_of(replicas)

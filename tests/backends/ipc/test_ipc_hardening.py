@@ -228,7 +228,9 @@ def test_a_killed_and_restarted_worker_is_readmitted_at_the_next_sync_bit_exactl
             engine.source = DictSource(target)
             engine.send_weights()  # the first one attaches both workers again
             assert weights(p) == [fingerprints(target)] * 2
-        assert len(client.handshakes) == 3  # trainer_init, the refused attempt, the re-admission
+        # trainer_init and the re-admission; between them a refused attempt when the
+        # trainer saw worker 1's death before sync 2 began (else sync 2 failed on the wire)
+        assert len(client.handshakes) in (2, 3)
         assert old_staging.isdisjoint(mapped_segments(p.processes[0].pid))  # replaced, unmapped
         engine.shutdown()
         assert our_segments(os.getpid()) == [] and our_segments(dead) == []
