@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from weight_transfer import WeightSyncRPCError
-from weight_transfer.backend import ABORT_FIELD
+from weight_transfer.base import ABORT_FIELD
 
 
 class FaultyReplica:

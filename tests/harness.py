@@ -213,7 +213,7 @@ def corrupt_received(
     """Flip byte `at` (xor `mask`) of bucket `bucket` as this process receives it, or with
     `add`, add `add[i]` to the 32-bit word at byte `at + 4 i` (`at` a multiple of 4),
     through core's test-only transport hook (`digest.RECEIVE_HOOKS`); `None` removes it."""
-    from weight_transfer.transport.digest import RECEIVE_HOOKS
+    from weight_transfer.kits.stream.digests import RECEIVE_HOOKS
 
     for hook in _CORRUPTOR:
         RECEIVE_HOOKS.remove(hook)

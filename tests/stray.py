@@ -20,8 +20,8 @@ if it still holds it 5 s after the last answer). `relay` says `listening`, `acce
 connection and one line per meddling (`rewrote KEY`, `replayed`, ...).
 `Stray` starts one and reads its lines with a deadline.
 
-`admitted` and `relay` speak the store's session frames as `transport/auth.py`
-and `transport/store.py` document them, written here again from that text (so
+`admitted` and `relay` speak the store's session frames as `kits/group/auth.py`
+and `kits/group/store.py` document them, written here again from that text (so
 these tests also hold the code to its documented wire format).
 """
 

@@ -1,5 +1,5 @@
 """Verified bytes on their own: the digest, per-bucket digests, the digest room, and the
-pipeline's check before a load (`weight_transfer.transport.digest`, `LoadPipeline.received`).
+pipeline's check before a load (`weight_transfer.kits.stream.digests`, `LoadPipeline.received`).
 
 The detection tests change a bucket's 32-bit words by crafted and by random small patterns
 (the kind a plain weighted sum of the words misses) and require both lanes of every changed
@@ -14,16 +14,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from weight_transfer.backend import (
-    LoadFailed,
-    LoadPipeline,
-    ParamMeta,
-    Unpacker,
-    as_bytes,
-    plan_buckets,
-)
-from weight_transfer.transport import digest as digest_module
-from weight_transfer.transport.digest import (
+from weight_transfer.backend import ParamMeta
+from weight_transfer.kits.stream import LoadFailed, LoadPipeline, Unpacker, as_bytes, plan_buckets
+from weight_transfer.kits.stream import digests as digest_module
+from weight_transfer.kits.stream.digests import (
     RECEIVE_HOOKS,
     WINDOW_WORDS,
     BucketDigests,

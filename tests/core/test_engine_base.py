@@ -447,7 +447,7 @@ def test_an_abort_payload_rolls_the_round_back_and_closes_the_hosts_round() -> N
 
 
 def test_round_client_aborts_a_round_left_open_before_starting_its_own() -> None:
-    from weight_transfer.backend import RoundClient
+    from weight_transfer.rounds import RoundClient
 
     session = WorkerSession(_engine())
     session.start_weight_update()  # a trainer that died here

@@ -3,7 +3,7 @@
 Imports are read from the source (`ast`), at module level and inside
 functions alike, so a lazy import that closes a cycle counts too. wt-core's
 layers, lowest first: the contract (what every backend reads), the kits
-(`weight_transfer.transport`: optional helpers built on the contract), and the
+(`weight_transfer.kits`: optional helpers built on the contract), and the
 entry points (the package's facade, the clients, the fleet, the factories,
 the CLI, the vLLM plugin). A module imports only from its own layer or below.
 """
@@ -73,7 +73,7 @@ GRAPH = {name: set(_imports(path)) - {name} for name, path in MODULES.items()}
 def _layer(module: str) -> int:
     if module in ENTRY_POINTS or not module.startswith("weight_transfer"):
         return 2
-    return 1 if module.startswith("weight_transfer.transport") else 0
+    return 1 if module.startswith("weight_transfer.kits") else 0
 
 
 def _cycles() -> list[list[str]]:

@@ -12,15 +12,10 @@ import torch
 
 from tests.core.helpers import ExampleNet
 from weight_transfer import WeightTransferConfig, WeightTransferEngineFactory
-from weight_transfer.backend import (
-    MAX_TIMEOUT_S,
-    GroupInitInfo,
-    ParamMeta,
-    check_declared,
-    host_memory_bytes,
-    parse_payload,
-)
-from weight_transfer.transport.auth import new_secret
+from weight_transfer.backend import ParamMeta, parse_payload
+from weight_transfer.kits.group import GroupInitInfo
+from weight_transfer.kits.group.auth import new_secret
+from weight_transfer.limits import MAX_TIMEOUT_S, check_declared, host_memory_bytes
 from weight_transfer.wire import WIRE_PROTOCOL_VERSION
 
 

@@ -10,7 +10,7 @@ import torch
 
 from tests.harness import digest
 from weight_transfer import ParamMeta, layerwise_groups
-from weight_transfer.transport.packing import (
+from weight_transfer.kits.stream.packing import (
     ALIGNMENT,
     BucketPlan,
     RotatingBuffers,
@@ -300,7 +300,7 @@ def test_unpacking_through_the_buffers_reuses_their_views_and_stays_exact() -> N
 
 
 def test_a_packed_finite_check_ignores_padding_and_names_the_bad_parameter() -> None:
-    from weight_transfer.transport.packing import Packer
+    from weight_transfer.kits.stream.packing import Packer
 
     # odd sizes: alignment padding between the pieces; a buffer full of NaN bytes
     metas = [ParamMeta(f"layers.0.w{i}", torch.float32, (3 + i,)) for i in range(6)]

@@ -27,19 +27,17 @@ import torch.distributed as dist
 
 from tests.harness import ForbiddenClient
 from tests.stray import Stray
-from weight_transfer.backend import (
+from weight_transfer.backend import WorkerPosition, parse_payload, payload_of
+from weight_transfer.kits.group import (
     GroupInitInfo,
     GroupTrainerFields,
     StatelessGroup,
-    WorkerPosition,
     free_port,
     join_group,
-    parse_payload,
-    payload_of,
     trainer_rendezvous,
 )
-from weight_transfer.transport.auth import new_secret
-from weight_transfer.transport.store import StoreRefused, StoreServer, connect_store
+from weight_transfer.kits.group.auth import new_secret
+from weight_transfer.kits.group.store import StoreRefused, StoreServer, connect_store
 from weight_transfer.waiting import in_background
 from weight_transfer.wire import WIRE_PROTOCOL_VERSION
 
@@ -168,8 +166,8 @@ def test_a_flood_of_silent_connections_delays_a_worker_but_cannot_keep_it_out(
     """Every handshake slot held by a stray for 6 s (each one it loses at the 2 s
     deadline is taken again at once): the worker is told BUSY, retries, and
     joins once the flood ends."""
-    from weight_transfer.transport import group as group_module
-    from weight_transfer.transport import store as store_module
+    from weight_transfer.kits.group import stateless as group_module
+    from weight_transfer.kits.group import store as store_module
 
     monkeypatch.setattr(store_module, "MAX_PENDING_HANDSHAKES", 4)
     monkeypatch.setattr(group_module, "HANDSHAKE_TIMEOUT_S", 2.0)

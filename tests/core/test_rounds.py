@@ -23,7 +23,6 @@ from weight_transfer.backend import (
     ParamListUpdateInfo,
     ParamMeta,
     ResyncTrainerEngine,
-    RoundClient,
     TrainerInitInfo,
     Transfer,
     VLLMWeightSyncClient,
@@ -33,6 +32,7 @@ from weight_transfer.backend import (
 )
 from weight_transfer.control import SEAL_FIELD
 from weight_transfer.hooks import hookimpl, plugin_manager, register_hooks
+from weight_transfer.rounds import RoundClient
 
 
 @dataclass

@@ -9,13 +9,9 @@ import pytest
 import torch
 
 from weight_transfer import ParamMeta
-from weight_transfer.backend import (
-    DirectLoader,
-    UnsupportedOp,
-    aligned_layout,
-    apply_chain,
-    record_slices,
-)
+from weight_transfer.backend import DirectLoader
+from weight_transfer.kits.slices import UnsupportedOp, apply_chain, record_slices
+from weight_transfer.kits.stream import aligned_layout
 from weight_transfer.slices import write_scatter
 
 

@@ -37,11 +37,11 @@ from tests.core.test_rendezvous_auth import (
     _wait_logged,
 )
 from tests.stray import Stray
-from weight_transfer.backend import StatelessGroup, free_port
-from weight_transfer.transport import group as group_module
-from weight_transfer.transport import store as store_module
-from weight_transfer.transport.auth import new_secret
-from weight_transfer.transport.store import RemoteStore, StoreServer, connect_store
+from weight_transfer.kits.group import StatelessGroup, free_port
+from weight_transfer.kits.group import stateless as group_module
+from weight_transfer.kits.group import store as store_module
+from weight_transfer.kits.group.auth import new_secret
+from weight_transfer.kits.group.store import RemoteStore, StoreServer, connect_store
 from weight_transfer.waiting import in_background
 
 WAIT_S = 60.0

@@ -231,7 +231,7 @@ def connect(backend: str, client: Any, source: WeightSource, scratch: str, **wir
     from weight_transfer import WeightTransferTrainerFactory
 
     if backend == "nccl":
-        from weight_transfer.transport.group import free_port
+        from weight_transfer.kits.group.stateless import free_port
         from wt_nccl import NCCLTrainerInitInfo
 
         info: Any = NCCLTrainerInitInfo(

@@ -36,7 +36,7 @@ from weight_transfer import (
     ModuleSource,
     WeightTransferTrainerFactory,
 )
-from weight_transfer.transport.group import free_port
+from weight_transfer.kits.group.stateless import free_port
 
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")

@@ -38,7 +38,7 @@ from tests.vllm.conftest import (
 )
 from weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightSyncRPCError
 from weight_transfer.control import SEAL_FIELD
-from weight_transfer.transport.group import free_port
+from weight_transfer.kits.group.stateless import free_port
 
 pytest.importorskip("vllm")
 httpx = pytest.importorskip("httpx")
@@ -253,7 +253,7 @@ class Hanging:
 wire = dict(timeout_s=120.0, packed_buffer_size_bytes=64 << 10, packed_min_bucket_bytes=0)
 if backend == "nccl":
     from wt_nccl import NCCLTrainerInitInfo
-    from weight_transfer.transport.group import free_port
+    from weight_transfer.kits.group.stateless import free_port
     info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, device="cpu", **wire)
 else:
     from wt_ipc import IPCTrainerInitInfo

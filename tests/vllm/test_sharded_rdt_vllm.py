@@ -235,7 +235,7 @@ def test_verified_bytes_in_live_engines(replicas: list[Any], references: Referen
 def _corrupt(worker: Any, name: str | None) -> None:
     """In a worker: flip a byte of `name`'s first slice in each pull of it, after it
     lands (core's test-only `RECEIVE_HOOKS`); `None` removes the hook."""
-    from weight_transfer.transport.digest import RECEIVE_HOOKS
+    from weight_transfer.kits.stream.digests import RECEIVE_HOOKS
 
     RECEIVE_HOOKS.clear()
     if name is None:

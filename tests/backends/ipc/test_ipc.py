@@ -36,7 +36,8 @@ from tests.sources import (
     mixed_tensors,
 )
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.backend import SharedSegment, free_port
+from weight_transfer.kits.colocated import SharedSegment
+from weight_transfer.kits.group import free_port
 from wt_ipc import IPCTrainerInitInfo
 from wt_ipc.protocol import SEAL_BYTES
 

@@ -31,7 +31,8 @@ from tests.backends.ipc.models import BIG
 from tests.harness import FanoutClient, WorkerPool, digest
 from tests.sources import DictSource, mixed_tensors
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.backend import SharedSegment, WireParams
+from weight_transfer.kits.colocated import SharedSegment
+from weight_transfer.kits.stream import WireParams
 from wt_ipc import IPCTrainerInitInfo
 from wt_ipc.planes import TrainerStaging
 from wt_ipc.protocol import StagingSeal

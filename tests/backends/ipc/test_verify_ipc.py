@@ -20,8 +20,8 @@ from weight_transfer import (
     WorkerPosition,
     WorkerSession,
 )
-from weight_transfer.backend import LoadFailed
-from weight_transfer.transport.digest import RECEIVE_HOOKS
+from weight_transfer.kits.stream import LoadFailed
+from weight_transfer.kits.stream.digests import RECEIVE_HOOKS
 from wt_ipc import IPCTrainerInitInfo
 
 MODEL = "tests.backends.ipc.models:mixed_model"

@@ -15,8 +15,8 @@ import pytest
 from tests.harness import WorkerPool, digest
 from tests.sources import DictSource, mixed_tensors
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.backend import free_port
-from weight_transfer.transport.auth import new_secret
+from weight_transfer.kits.group import free_port
+from weight_transfer.kits.group.auth import new_secret
 from weight_transfer.wire import WIRE_PROTOCOL_VERSION
 from wt_nccl import NCCLTrainerInitInfo
 

@@ -19,7 +19,7 @@ from tests.sources import (
     mixed_tensors,
 )
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.transport.group import free_port
+from weight_transfer.kits.group.stateless import free_port
 from wt_nccl import NCCLTrainerInitInfo
 
 WORKERS = 2

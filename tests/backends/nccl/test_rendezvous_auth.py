@@ -16,7 +16,7 @@ from tests.harness import RecordingClient, WorkerPool, digest
 from tests.sources import DictSource, mixed_tensors
 from tests.stray import Stray
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.backend import free_port
+from weight_transfer.kits.group import free_port
 from weight_transfer.wire import WIRE_PROTOCOL_VERSION
 from wt_nccl import NCCLTrainerInitInfo
 

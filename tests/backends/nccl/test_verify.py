@@ -12,7 +12,7 @@ from tests.backends.ipc.models import BIG
 from tests.harness import WorkerPool, assert_received, digest
 from tests.sources import DictSource, mixed_tensors
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.transport.group import free_port
+from weight_transfer.kits.group.stateless import free_port
 from wt_nccl import NCCLTrainerInitInfo
 
 WORKERS = 2

@@ -81,7 +81,7 @@ class Consumer:
         """Flip byte `at` of `name`'s first slice in every pull of it this worker lands,
         before the pull is checked (core's test-only `RECEIVE_HOOKS`, in this process);
         returns the pull's index. `None` removes the hook."""
-        from weight_transfer.transport.digest import RECEIVE_HOOKS
+        from weight_transfer.kits.stream.digests import RECEIVE_HOOKS
 
         RECEIVE_HOOKS.clear()  # this worker's process: only this method installs hooks
         if name is None:

@@ -10,7 +10,8 @@ import torch
 
 from tests.backends.sharded_rdt.models import ShardedModel, checkpoint
 from weight_transfer import ParamMeta, layerwise_groups
-from weight_transfer.backend import DirectLoader, digest, payload_of
+from weight_transfer.backend import DirectLoader, payload_of
+from weight_transfer.kits.stream import digest
 from wt_sharded_rdt.producer import Producer, ProducerError
 from wt_sharded_rdt.protocol import (
     Router,

@@ -21,7 +21,7 @@ from tests.backends.sparse_nccl.helpers import (
 )
 from tests.harness import WorkerPool
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.backend import free_port
+from weight_transfer.kits.group import free_port
 from wt_sparse_nccl import SparseNCCLTrainerEngine, SparseNCCLTrainerInitInfo, SparseWeightPatch
 from wt_sparse_nccl.wire import update_info_of, wire_groups
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from weight_transfer import ParamMeta, WeightSource
-from weight_transfer.backend import PlanCache, RotatingBuffers, WireParams
+from weight_transfer.kits.stream import PlanCache, RotatingBuffers, WireParams
 from wt_tools.workers import LayoutEntry, WorkerProcesses, checksum, peak_rss_bytes, reset_peak_rss
 
 __all__ = ["Scenario", "dense_layout", "moe_layout", "run_scenario", "scenarios_for"]
@@ -184,7 +184,8 @@ def _trainer_dry_pass(source: WeightSource, buffers: Any, plans: Any) -> None:
     """What the nccl trainer does per round without the wire: checked iteration + packing
     into `buffers` (a `RotatingBuffers` reused round after round, as the engine's are),
     by the layout `plans` (a `PlanCache`) keeps."""
-    from weight_transfer.backend import Packer, checked_iteration
+    from weight_transfer.backend import checked_iteration
+    from weight_transfer.kits.stream import Packer
 
     metas = source.metadata()
     plan = plans(metas)
@@ -196,9 +197,9 @@ def _trainer_dry_pass(source: WeightSource, buffers: Any, plans: Any) -> None:
 
 def _connect(mode: str, workers: WorkerProcesses, n: int, source: WeightSource) -> tuple[Any, int]:
     """The trainer engine of `mode` and its configured staging bytes."""
-    from weight_transfer.backend import WireParams
     from weight_transfer.factory import WeightTransferTrainerFactory
-    from weight_transfer.transport.group import free_port
+    from weight_transfer.kits.group.stateless import free_port
+    from weight_transfer.kits.stream import WireParams
 
     info: Any
     staging = 0
@@ -244,9 +245,9 @@ class _BareBroadcast:
     def __init__(self, workers: WorkerProcesses, nbytes: int) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from weight_transfer.backend import StatelessGroup
-        from weight_transfer.transport.auth import new_secret
-        from weight_transfer.transport.group import free_port
+        from weight_transfer.kits.group import StatelessGroup
+        from weight_transfer.kits.group.auth import new_secret
+        from weight_transfer.kits.group.stateless import free_port
 
         self.workers, self.nbytes = workers, nbytes
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="wt-bench-bare")

@@ -94,7 +94,8 @@ def _serve(
         WorkerPosition,
         WorkerSession,
     )
-    from weight_transfer.backend import DirectLoader, StatelessGroup
+    from weight_transfer.backend import DirectLoader
+    from weight_transfer.kits.group import StatelessGroup
     from weight_transfer.loading import register_loader_provider
 
     model = build_target(layout, device)

@@ -51,19 +51,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weight_transfer.backend import (
-    RELEASED,
-    BucketPlan,
-    DigestRoom,
     ParamListUpdateInfo,
     ParamMeta,
     WeightTransferInitInfo,
-    WireParams,
     WireProtocolInfo,
-    check_int_range,
     check_timeout,
+)
+from weight_transfer.kits.colocated import RELEASED
+from weight_transfer.kits.stream import (
+    BucketPlan,
+    DigestRoom,
+    WireParams,
     plan_buckets,
     plan_per_tensor,
 )
+from weight_transfer.limits import check_int_range
 
 __all__ = [
     "IPCWorkerInitInfo",

@@ -38,34 +38,31 @@ from typing import Any, ClassVar
 import torch
 
 from weight_transfer.backend import (
-    PEER_GRACE_S,
     AlignedFailure,
-    BucketDigests,
-    Credits,
-    Frame,
-    GroupChannel,
-    LinkClosed,
-    LocalLink,
-    LocalListener,
-    Packer,
     ParamMeta,
-    PlanCache,
     ResyncTrainerEngine,
-    RotatingBuffers,
-    SendWindow,
     TrainerInitInfo,
     Transfer,
     VLLMWeightSyncClient,
     WeightSource,
-    WireParams,
-    check_int_range,
     check_timeout,
-    in_background,
-    param_list_digests,
     param_list_payload,
     payload_of,
-    trainer_device,
 )
+from weight_transfer.base import trainer_device
+from weight_transfer.kits.channel import GroupChannel
+from weight_transfer.kits.colocated import Credits, Frame, LinkClosed, LocalLink, LocalListener
+from weight_transfer.kits.stream import (
+    BucketDigests,
+    Packer,
+    PlanCache,
+    RotatingBuffers,
+    SendWindow,
+    WireParams,
+)
+from weight_transfer.limits import check_int_range
+from weight_transfer.resync import param_list_digests
+from weight_transfer.waiting import PEER_GRACE_S, in_background
 from wt_ipc.planes import TrainerStaging
 from wt_ipc.protocol import (
     ABORT,

@@ -34,24 +34,12 @@ from typing import Any
 
 import torch
 
-from weight_transfer.backend import (
-    PARAM_LIST_FIELDS,
-    RELEASED,
-    AlignedFailure,
-    BucketPlan,
-    Frame,
-    GroupChannel,
-    LinkClosed,
-    LoadFailed,
-    LoadPipeline,
-    LocalLink,
-    Unpacker,
-    WeightTransferEngine,
-    WireParams,
-    check_declared,
-    connect_local,
-    param_list_digests,
-)
+from weight_transfer.backend import AlignedFailure, WeightTransferEngine
+from weight_transfer.kits.channel import GroupChannel
+from weight_transfer.kits.colocated import RELEASED, Frame, LinkClosed, LocalLink, connect_local
+from weight_transfer.kits.stream import BucketPlan, LoadFailed, LoadPipeline, Unpacker, WireParams
+from weight_transfer.limits import check_declared
+from weight_transfer.resync import PARAM_LIST_FIELDS, param_list_digests
 from wt_ipc.planes import WorkerStaging
 from wt_ipc.protocol import (
     ABORT,
@@ -94,7 +82,7 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
         self._release_staging()
         self.wire, self.staging = init_info.wire, staging
         self.timeout_s, self.last_round = init_info.timeout_s, 0
-        self.channel.connect(link, holder=init_info.trainer_id)
+        self.channel.connect(link)
 
     def _attach(self, init_info: IPCWorkerInitInfo) -> tuple[LocalLink, WorkerStaging]:
         """A new link and mapped staging, hello sent; on any failure both are released."""

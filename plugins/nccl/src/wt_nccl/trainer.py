@@ -23,27 +23,27 @@ import torch
 
 from weight_transfer.backend import (
     AlignedFailure,
-    BucketDigests,
-    GroupChannel,
-    GroupTrainerFields,
-    Packer,
     ParamMeta,
-    PlanCache,
     ResyncTrainerEngine,
-    RotatingBuffers,
-    SendWindow,
-    StatelessGroup,
     TrainerInitInfo,
     Transfer,
     VLLMWeightSyncClient,
     WeightSource,
-    as_bytes,
-    param_list_digests,
     param_list_payload,
     payload_of,
-    trainer_rendezvous,
-    work_future,
 )
+from weight_transfer.kits.channel import GroupChannel
+from weight_transfer.kits.group import GroupTrainerFields, StatelessGroup, trainer_rendezvous
+from weight_transfer.kits.stream import (
+    BucketDigests,
+    Packer,
+    PlanCache,
+    RotatingBuffers,
+    SendWindow,
+    as_bytes,
+)
+from weight_transfer.resync import param_list_digests
+from weight_transfer.waiting import work_future
 from wt_nccl.protocol import (
     HEADER_ABORT,
     HEADER_OK,

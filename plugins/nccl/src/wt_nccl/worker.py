@@ -29,21 +29,18 @@ from typing import Any
 
 import torch
 
-from weight_transfer.backend import (
+from weight_transfer.backend import AlignedFailure, WeightTransferEngine
+from weight_transfer.kits.channel import GroupChannel
+from weight_transfer.kits.group import StatelessGroup, join_group
+from weight_transfer.kits.stream import (
     DIGEST_DTYPE,
-    AlignedFailure,
-    GroupChannel,
     LoadFailed,
     LoadPipeline,
     RotatingBuffers,
-    StatelessGroup,
     Unpacker,
-    WeightTransferEngine,
-    check_declared,
-    host_memory_bytes,
-    join_group,
-    param_list_digests,
 )
+from weight_transfer.limits import check_declared, host_memory_bytes
+from weight_transfer.resync import param_list_digests
 from wt_nccl.protocol import (
     HEADER_LEN,
     HEADER_OK,
@@ -84,7 +81,7 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         self.channel.drop("the last init_weight_transfer_engine failed")
         self.wire = init_info.wire
         group = join_group(init_info, self.position, self.device)
-        self.channel.connect(group, holder=init_info.trainer_id)
+        self.channel.connect(group)
         buffers = self._buffers
         if buffers is None or (len(buffers), buffers.device) != (
             self.wire.packed_num_buffers,

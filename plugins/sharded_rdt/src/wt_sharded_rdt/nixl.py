@@ -14,7 +14,10 @@ from typing import Any
 
 import torch
 
-from weight_transfer.backend import FetchKey, SharedSegment, aligned_layout, dtype_name
+from weight_transfer.backend import dtype_name
+from weight_transfer.kits.colocated import SharedSegment
+from weight_transfer.kits.slices import FetchKey
+from weight_transfer.kits.stream import aligned_layout
 from wt_sharded_rdt.transport import (
     ALIVE_TIMEOUT_S,
     CONTROL_TIMEOUT_S,

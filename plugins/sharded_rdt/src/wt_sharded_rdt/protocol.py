@@ -45,24 +45,24 @@ from dataclasses import dataclass, field
 import torch
 
 from weight_transfer.backend import (
-    DIGEST_DTYPE,
-    Bucket,
-    BucketDigests,
-    BucketPlan,
-    FetchKey,
     ParamMeta,
-    Piece,
-    Scatter,
-    SliceRecord,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
     WireProtocolInfo,
-    aligned_layout,
-    check_int_range,
     check_timeout,
     dtype_from_name,
     dtype_name,
 )
+from weight_transfer.kits.slices import FetchKey, Scatter, SliceRecord
+from weight_transfer.kits.stream import (
+    DIGEST_DTYPE,
+    Bucket,
+    BucketDigests,
+    BucketPlan,
+    Piece,
+    aligned_layout,
+)
+from weight_transfer.limits import check_int_range
 
 __all__ = [
     "TRANSPORTS",

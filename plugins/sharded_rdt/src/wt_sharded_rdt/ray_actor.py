@@ -15,7 +15,9 @@ from typing import Any
 import ray
 import torch
 
-from weight_transfer.backend import FetchKey, SharedSegment, dtype_from_name
+from weight_transfer.backend import dtype_from_name
+from weight_transfer.kits.colocated import SharedSegment
+from weight_transfer.kits.slices import FetchKey
 from wt_sharded_rdt.producer import Producer
 
 __all__ = ["ProducerActor", "RDTProducer"]

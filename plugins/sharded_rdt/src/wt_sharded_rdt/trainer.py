@@ -33,25 +33,22 @@ from typing import Any, ClassVar
 import torch
 
 from weight_transfer.backend import (
-    PEER_GRACE_S,
     ParamMeta,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     Transfer,
     VLLMWeightSyncClient,
     WeightSource,
-    aligned_layout,
-    check_int_range,
     check_timeout,
-    first_non_finite,
-    fleet_of,
-    in_background,
-    layerwise_groups,
-    param_list_digests,
     param_list_payload,
     payload_of,
-    wait_for,
 )
+from weight_transfer.kits.stream import aligned_layout
+from weight_transfer.limits import check_int_range
+from weight_transfer.resync import param_list_digests
+from weight_transfer.rounds import fleet_of
+from weight_transfer.source import first_non_finite, layerwise_groups
+from weight_transfer.waiting import PEER_GRACE_S, in_background, wait_for
 from wt_sharded_rdt.links import host_producer, producer_client, ray_location
 from wt_sharded_rdt.producer import ProducerError
 from wt_sharded_rdt.protocol import (

@@ -36,9 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
-from weight_transfer.backend import (
-    FetchKey,
-)
+from weight_transfer.kits.slices import FetchKey
 from wt_sharded_rdt.producer import Producer
 
 __all__ = [

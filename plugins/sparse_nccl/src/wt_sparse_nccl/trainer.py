@@ -35,23 +35,20 @@ import torch
 
 from weight_transfer.backend import (
     AlignedFailure,
-    BucketDigests,
-    ChannelDownError,
-    GroupChannel,
-    GroupTrainerFields,
-    StatelessGroup,
-    SyncTracker,
     TrainerInitInfo,
     TrainerRound,
     TrainerWeightTransferEngine,
     Transfer,
     VLLMWeightSyncClient,
     WeightSource,
-    all_settle,
     payload_of,
-    trainer_rendezvous,
-    work_future,
 )
+from weight_transfer.control import ChannelDownError
+from weight_transfer.hooks import SyncTracker
+from weight_transfer.kits.channel import GroupChannel
+from weight_transfer.kits.group import GroupTrainerFields, StatelessGroup, trainer_rendezvous
+from weight_transfer.kits.stream import BucketDigests
+from weight_transfer.waiting import all_settle, work_future
 from wt_sparse_nccl.patch import SparseWeightPatch, check_patches
 from wt_sparse_nccl.wire import (
     BatchHeader,

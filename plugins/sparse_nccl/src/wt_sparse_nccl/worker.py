@@ -45,18 +45,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from weight_transfer.backend import (
-    DIGEST_DTYPE,
-    RECEIVE_HOOKS,
-    BucketDigests,
-    DigestMismatch,
-    GroupChannel,
-    StatelessGroup,
-    WeightTransferEngine,
-    host_memory_bytes,
-    is_vllm_config,
-    join_group,
-)
+from weight_transfer.backend import WeightTransferEngine
+from weight_transfer.kits.channel import GroupChannel
+from weight_transfer.kits.group import StatelessGroup, join_group
+from weight_transfer.kits.stream import DIGEST_DTYPE, RECEIVE_HOOKS, BucketDigests, DigestMismatch
+from weight_transfer.limits import host_memory_bytes
+from weight_transfer.loading import is_vllm_config
 from wt_sparse_nccl.patch import SparseWeightPatch, check_indices_of
 from wt_sparse_nccl.wire import (
     HEADER_WORDS,
@@ -290,7 +284,7 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
         self.channel.drop("the last init_weight_transfer_engine failed")
         group = join_group(init_info, self.position, self.device)
         self.verify = init_info.verify
-        self.channel.connect(group, holder=init_info.trainer_id)
+        self.channel.connect(group)
 
     def new_transaction(self) -> SparsePatcher:
         return patcher_for(self.model, self.vllm_config)

@@ -3,7 +3,7 @@
 `StoreServer` (trainer rank 0) listens on exactly the address it is given and
 serves an in-memory key table; `server.store` is rank 0's own view of it.
 `connect_store(...)` (a worker) connects, runs the mutual handshake of
-`transport/auth.py` and returns a `RemoteStore`. Both stores are
+`kits/group/auth.py` and returns a `RemoteStore`. Both stores are
 `torch.distributed.Store`s, so gloo and NCCL build their groups over them.
 
 Admission: a connection is served only after it proved the secret for a rank
@@ -17,7 +17,7 @@ and the reason; a worker that refuses a server logs it too and raises
 `StoreRefused` naming the address.
 
 After the handshake every request and answer is one session frame of
-`transport/auth.py` (numbered, and tagged with the connection's session key),
+`kits/group/auth.py` (numbered, and tagged with the connection's session key),
 whose body is a code byte and fields, each a u32 length and that many bytes:
 
 ```
@@ -71,7 +71,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from weight_transfer.transport.auth import (
+from weight_transfer.kits.group.auth import (
     BUSY,
     FrameError,
     FrameRefused,

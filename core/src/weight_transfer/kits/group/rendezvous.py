@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from weight_transfer.base import VLLMWeightSyncClient, WeightTransferInitInfo, trainer_device
+from weight_transfer.kits.group.auth import check_secret, new_secret
+from weight_transfer.kits.group.stateless import Hosting, StatelessGroup
 from weight_transfer.limits import check_int_range, check_timeout
 from weight_transfer.position import WorkerPosition
 from weight_transfer.rounds import fleet_of
-from weight_transfer.transport.auth import check_secret, new_secret
-from weight_transfer.transport.group import Hosting, StatelessGroup
 from weight_transfer.waiting import in_background, wait_for
 from weight_transfer.wire import WireProtocolInfo
 

@@ -38,10 +38,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from weight_transfer.kits.stream.digests import BucketDigests, DigestMismatch, run_receive_hooks
+from weight_transfer.kits.stream.packing import RotatingBuffers, Unpacker
 from weight_transfer.phases import timed
 from weight_transfer.rounds import AlignedFailure, Transfer
-from weight_transfer.transport.digest import BucketDigests, DigestMismatch, run_receive_hooks
-from weight_transfer.transport.packing import RotatingBuffers, Unpacker
 from weight_transfer.waiting import all_settle
 
 __all__ = ["SendWindow", "LoadPipeline", "LoadFailed"]

@@ -86,7 +86,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_transfer.transport.packing import ALIGNMENT, Bucket, BucketPlan, as_bytes
+from weight_transfer.kits.stream.packing import ALIGNMENT, Bucket, BucketPlan, as_bytes
 
 __all__ = [
     "digest",

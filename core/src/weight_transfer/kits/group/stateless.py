@@ -1,7 +1,7 @@
 """A private process group between trainer rank 0 and the inference workers.
 
 `StatelessGroup.create(...)` rendezvouses through its own authenticated store
-(`transport/store.py`: rank 0 listens on exactly the address given and admits
+(`kits/group/store.py`: rank 0 listens on exactly the address given and admits
 only workers that prove the group's `secret`) and builds a gloo group for CPU
 tensors or an NCCL group for CUDA tensors. It never reads or changes
 `torch.distributed`'s default group, so it coexists with the trainer's FSDP/TP
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weight_transfer.transport.auth import check_secret
-from weight_transfer.transport.store import (
+from weight_transfer.kits.group.auth import check_secret
+from weight_transfer.kits.group.store import (
     HANDSHAKE_TIMEOUT_S,
     RemoteStore,
     StoreServer,

@@ -1,0 +1,58 @@
+"""Bucketed streaming: the layout both ends derive, the loops that move it, its digests.
+
+Trainer: `plan_buckets` (or `aligned_layout`, which adds the wire version's
+alignment) over the round's `ParamMeta`s; `Packer` fills `RotatingBuffers`
+inside a `SendWindow`. Worker: the same plan, `LoadPipeline` receiving into
+rotating buffers while `Unpacker` loads the previous bucket. `BucketDigests`
+checks each piece on the bytes' own device.
+"""
+
+from weight_transfer.kits.stream.digests import (
+    DIGEST_DTYPE,
+    RECEIVE_HOOKS,
+    BucketDigests,
+    DigestMismatch,
+    DigestRoom,
+    digest,
+    run_receive_hooks,
+)
+from weight_transfer.kits.stream.packing import (
+    Bucket,
+    BucketPlan,
+    Packer,
+    Piece,
+    PlanCache,
+    RotatingBuffers,
+    Unpacker,
+    WireParams,
+    aligned_layout,
+    as_bytes,
+    plan_buckets,
+    plan_per_tensor,
+)
+from weight_transfer.kits.stream.window import LoadFailed, LoadPipeline, SendWindow
+
+__all__ = [
+    "DIGEST_DTYPE",
+    "RECEIVE_HOOKS",
+    "Bucket",
+    "BucketDigests",
+    "BucketPlan",
+    "DigestMismatch",
+    "DigestRoom",
+    "LoadFailed",
+    "LoadPipeline",
+    "Packer",
+    "Piece",
+    "PlanCache",
+    "RotatingBuffers",
+    "SendWindow",
+    "Unpacker",
+    "WireParams",
+    "aligned_layout",
+    "as_bytes",
+    "digest",
+    "plan_buckets",
+    "plan_per_tensor",
+    "run_receive_hooks",
+]

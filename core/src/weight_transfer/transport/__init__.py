@@ -1,1 +1,0 @@
-"""Helpers shared by backends: stateless groups, packing layout, dtype codec, wire version."""
