@@ -1,431 +1,58 @@
-"""Real inference-worker processes for backend tests, reached over loopback sockets.
+"""The project's worker harness: `weight_transfer.testing.workers`, with host-sync counting.
 
-`WorkerPool(backend, n)` spawns `n` OS processes. Each creates its engine
-through `WeightTransferEngineFactory` (so entry points are exercised), wraps it
-in a `WorkerSession` (the same state machine vLLM's worker runs) and serves
-calls on a `multiprocessing.connection` listener bound to 127.0.0.1.
-`pool.client()` returns a `VLLMWeightSyncClient` that fans every call out to
-all workers and blocks on all of them, with a timeout; it is picklable, so a
-trainer in another process can use it.
-
-The model in each worker is a `RecordingModel`: its `load_weights` keeps the
-tensors it is handed *by reference* until every name of their layer
-(`layerwise_groups`) has arrived and only then copies them, which is how
-vLLM's layerwise reload treats loader arguments. A backend that reuses a
-buffer too early therefore records wrong values. With
-`model_factory="module:function"` (importable in the child) each worker builds
-that model instead; `pool.each("state_dict")` returns its parameters.
+`WorkerPool` here serves two more methods in every worker: `count_host_syncs`
+starts counting host syncs on every thread, `host_syncs` stops and returns
+the counts per method (`wt_tools.counting.HostSyncs`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import multiprocessing as mp
-import os
-import threading
-import time
-import traceback
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
-import torch
-from wt_tools.counting import HostSyncs
+from weight_transfer.testing.workers import (
+    CALL_TIMEOUT_S,
+    FanoutClient,
+    ForbiddenClient,
+    RecordingClient,
+    RecordingModel,
+    WorkerSpec,
+    _serve,
+    assert_received,
+    corrupt_received,
+    digest,
+)
+from weight_transfer.testing.workers import WorkerPool as _WorkerPool
 
-from weight_transfer.control import SEAL_FIELD
-
-AUTHKEY = b"wt-tests"
-CALL_TIMEOUT_S = 120.0
-
-
-class RecordingModel(torch.nn.Module):
-    """Records what `load_weights` receives, holding references until a layer completes.
-
-    `fail_on`: a name whose arrival raises (as an unknown parameter would).
-    `load_delay_s`: sleep per `load_weights` call (to widen a race window).
-    """
-
-    def __init__(
-        self,
-        names: list[str] | None = None,
-        *,
-        fail_on: str | None = None,
-        load_delay_s: float = 0.0,
-    ) -> None:
-        super().__init__()
-        from weight_transfer import layerwise_groups
-
-        self.fail_on = fail_on
-        self.load_delay_s = load_delay_s
-        self.group_of: dict[str, int] = {}
-        self.group_sizes: list[int] = []
-        if names is not None:
-            self.set_names(names)
-        self.held: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        self.received: dict[str, torch.Tensor] = {}
-        self.load_calls = 0
-        self._layerwise_groups = layerwise_groups
-
-    def set_names(self, names: list[str]) -> None:
-        """Declare the parameter names (their layers) and forget what was received."""
-        from weight_transfer import layerwise_groups
-
-        self.held, self.received = {}, {}
-        self.group_of, self.group_sizes = {}, []
-        for gi, group in enumerate(layerwise_groups(names)):
-            self.group_sizes.append(len(group))
-            for n in group:
-                self.group_of[n] = gi
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        self.load_calls += 1
-        if self.load_delay_s:
-            time.sleep(self.load_delay_s)
-        loaded = set()
-        for name, tensor in weights:
-            if name == self.fail_on:
-                raise ValueError(f"RecordingModel has no parameter named {name!r}")
-            gi = self.group_of.get(name, -1)
-            if gi < 0:  # names not declared up front are copied at once
-                self.received[name] = tensor.clone()
-            else:
-                held = self.held.setdefault(gi, [])
-                if any(n == name for n, _ in held):  # a new round after an aborted one
-                    held.clear()
-                held.append((name, tensor))
-                if len(held) == self.group_sizes[gi]:
-                    for n, t in self.held.pop(gi):
-                        self.received[n] = t.clone()
-            loaded.add(name)
-        return loaded
+__all__ = [
+    "CALL_TIMEOUT_S",
+    "FanoutClient",
+    "ForbiddenClient",
+    "RecordingClient",
+    "RecordingModel",
+    "WorkerPool",
+    "WorkerSpec",
+    "_serve",
+    "assert_received",
+    "corrupt_received",
+    "digest",
+]
 
 
-@dataclass
-class WorkerSpec:
-    backend: str
-    rank: int
-    world_size: int
-    names: list[str] | None = None
-    fail_on: str | None = None
-    load_delay_s: float = 0.0
-    env: dict[str, str] = field(default_factory=dict)
-    model_factory: str | None = None
-    device: str = "cpu"
-    sys_path: list[str] = field(default_factory=list)
+def host_sync_handlers(model: Any, session: Any) -> dict[str, Any]:
+    from wt_tools.counting import HostSyncs
 
-
-def _make_model(spec: WorkerSpec) -> Any:
-    """`RecordingModel`, or the model `spec.model_factory` ("module:function") builds."""
-    if spec.model_factory is None:
-        return RecordingModel(spec.names, fail_on=spec.fail_on, load_delay_s=spec.load_delay_s)
-    import importlib
-
-    module, _, function = spec.model_factory.partition(":")
-    return getattr(importlib.import_module(module), function)()
-
-
-def _serve(spec: WorkerSpec, ready: Any) -> None:
-    import sys
-
-    sys.path[:0] = spec.sys_path
-    os.environ.update(spec.env)
-    torch.set_num_threads(1)
-    from weight_transfer import (
-        WeightTransferConfig,
-        WeightTransferEngineFactory,
-        WorkerPosition,
-        WorkerSession,
-    )
-
-    model = _make_model(spec)
-    try:
-        engine = WeightTransferEngineFactory.create_engine(
-            WeightTransferConfig(spec.backend),
-            WorkerPosition(rank=spec.rank, world_size=spec.world_size),
-            spec.device,
-            model,
-        )
-    except Exception as e:
-        ready.send(("err", f"{type(e).__name__}: {e}"))
-        return
-    session = WorkerSession(engine)
-    lock = threading.Lock()
     counters: list[HostSyncs] = []
-    listener = Listener(("127.0.0.1", 0), authkey=AUTHKEY)
-    ready.send(("ok", listener.address))
 
-    def local(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if method == "received":
-            return {n: t.clone() for n, t in model.received.items()}
-        if method == "digests":
-            return {n: _digest(t) for n, t in model.received.items()}
-        if method == "set_names":
-            model.set_names(*args)
-            return None
-        if method == "set_fail_on":
-            model.fail_on = args[0]
-            return None
-        if method == "load_calls":
-            return model.load_calls
-        if method == "weight_version":
-            return session.weight_version
-        if method == "state_dict":
-            return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-        if method == "corrupt":
-            corrupt_received(*args)
-            return None
-        if method == "count_host_syncs":  # start counting, on every thread of the worker
-            counters.append(HostSyncs().start())
-            return None
-        if method == "host_syncs":  # stop counting; what was counted, per method
-            return dict(counters.pop().stop().counts)
-        return getattr(session, method)(*args, **kwargs)
+    def count_host_syncs() -> None:
+        counters.append(HostSyncs().start())
 
-    def handle(conn: Connection) -> None:
-        with conn:
-            while True:
-                try:
-                    method, args, kwargs = conn.recv()
-                except (EOFError, OSError):
-                    return
-                try:
-                    with lock:
-                        result = ("ok", local(method, args, kwargs))
-                except BaseException as e:
-                    result = ("err", f"{type(e).__name__}: {e}", traceback.format_exc())
-                try:
-                    conn.send(result)
-                except (OSError, BrokenPipeError):
-                    return
+    def host_syncs() -> dict[str, int]:
+        return dict(counters.pop().stop().counts)
 
-    while True:
-        conn = listener.accept()
-        threading.Thread(target=handle, args=(conn,), daemon=True).start()
+    return {"count_host_syncs": count_host_syncs, "host_syncs": host_syncs}
 
 
-_CORRUPTOR: list[Any] = []
-
-
-def corrupt_received(
-    bucket: int | None, at: int = 0, mask: int = 0xFF, add: list[int] | None = None
-) -> None:
-    """Flip byte `at` (xor `mask`) of bucket `bucket` as this process receives it, or with
-    `add`, add `add[i]` to the 32-bit word at byte `at + 4 i` (`at` a multiple of 4),
-    through core's test-only transport hook (`digest.RECEIVE_HOOKS`); `None` removes it."""
-    from weight_transfer.kits.stream.digests import RECEIVE_HOOKS
-
-    for hook in _CORRUPTOR:
-        RECEIVE_HOOKS.remove(hook)
-    _CORRUPTOR.clear()
-    if bucket is None:
-        return
-
-    def flip(k: int, buf: torch.Tensor) -> None:
-        if k != bucket:
-            return
-        if add is None:
-            buf[at] ^= mask
-        else:
-            words = buf[at : at + 4 * len(add)].view(torch.int32)
-            words += torch.tensor(add, dtype=torch.int32, device=buf.device)
-
-    RECEIVE_HOOKS.append(flip)
-    _CORRUPTOR.append(flip)
-
-
-def _digest(t: torch.Tensor) -> str:
-    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return f"{t.dtype}:{tuple(t.shape)}:{hashlib.sha256(data).hexdigest()}"
-
-
-def digest(t: torch.Tensor) -> str:
-    """Bit-exact fingerprint of a tensor: dtype, shape and a hash of its bytes."""
-    return _digest(t)
-
-
-class FanoutClient:
-    """Calls every worker, blocks on all; raises `WeightSyncRPCError` naming the worker."""
-
-    def __init__(self, addresses: list[Any], timeout_s: float = CALL_TIMEOUT_S) -> None:
-        self.addresses = addresses
-        self.timeout_s = timeout_s
-        self._conns: list[Connection] | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"addresses": self.addresses, "timeout_s": self.timeout_s, "_conns": None}
-
-    def _connections(self) -> list[Connection]:
-        if self._conns is None:
-            self._conns = [Client(a, authkey=AUTHKEY) for a in self.addresses]
-        return self._conns
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        from weight_transfer.clients import WeightSyncRPCError
-
-        conns = self._connections()
-        for c in conns:
-            c.send((method, args, kwargs))
-        results: list[Any] = [None] * len(conns)
-        deadline = time.monotonic() + self.timeout_s
-        pending = set(range(len(conns)))
-        while pending:
-            for i in sorted(pending):
-                c = conns[i]
-                try:
-                    ready = c.poll(0.01)
-                except (EOFError, OSError) as e:
-                    self._conns = None
-                    raise WeightSyncRPCError(method, f"worker {i} is gone ({e})") from e
-                if not ready:
-                    continue
-                try:
-                    reply = c.recv()
-                except (EOFError, OSError) as e:
-                    self._conns = None
-                    raise WeightSyncRPCError(method, f"worker {i} is gone ({e})") from e
-                pending.discard(i)
-                if reply[0] == "err":
-                    self._conns = None  # later replies of this call are abandoned
-                    raise WeightSyncRPCError(method, f"worker {i}: {reply[1]}")
-                results[i] = reply[1]
-            if pending and time.monotonic() > deadline:
-                self._conns = None
-                raise WeightSyncRPCError(
-                    method, f"workers {sorted(pending)} gave no answer within {self.timeout_s:g}s"
-                )
-        return results
-
-    # the VLLMWeightSyncClient protocol
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.call("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self.call("start_weight_update")
-
-    def update_weights(self, update_info: Any) -> None:
-        self.call("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.call("finish_weight_update", weight_version)
-
-
-def assert_received(pool: WorkerPool, tensors: dict[str, torch.Tensor]) -> None:
-    """Every worker of `pool` received exactly `tensors` (bit for bit)."""
-    want = {n: digest(t) for n, t in tensors.items()}
-    for rank, got in enumerate(pool.each("digests")):
-        for name in want:
-            assert got.get(name) == want[name], f"worker {rank}: {name} differs"
-
-
-class RecordingClient:
-    """Forwards to `inner`; keeps every handshake and update payload (a round's
-    seal, which carries no weights, apart in `seals`), and runs `on_init(payload)`
-    before forwarding a handshake."""
-
-    def __init__(self, inner: Any, on_init: Any = None) -> None:
-        self.inner = inner
-        self.on_init = on_init
-        self.payloads: list[Any] = []
-        self.seals: list[Any] = []
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.payloads.append(init_info)
-        if self.on_init is not None:
-            self.on_init(init_info)
-        self.inner.init_weight_transfer_engine(init_info)
-
-    def start_weight_update(self) -> None:
-        self.inner.start_weight_update()
-
-    def update_weights(self, update_info: Any) -> None:
-        sealing = isinstance(update_info, dict) and SEAL_FIELD in update_info
-        (self.seals if sealing else self.payloads).append(update_info)
-        self.inner.update_weights(update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.inner.finish_weight_update(weight_version)
-
-
-class ForbiddenClient:
-    """The client of a non-sender trainer rank, which must never reach the inference side."""
-
-    def __getattr__(self, name: str) -> Any:
-        raise AssertionError(f"non-sender rank called client.{name}")
-
-
-class WorkerPool:
-    """`n` worker processes of `backend`; use as a context manager (stops them by PID)."""
-
-    def __init__(
-        self,
-        backend: str,
-        n: int,
-        *,
-        names: list[str] | None = None,
-        fail_on: str | None = None,
-        load_delay_s: float = 0.0,
-        start_timeout_s: float = 120.0,
-        model_factory: str | None = None,
-        devices: list[str] | None = None,
-        sys_path: list[str] | None = None,
-    ) -> None:
-        ctx = mp.get_context("spawn")
-        self.processes: list[Any] = []
-        self.addresses: list[Any] = []
-        pipes = []
-        for rank in range(n):
-            parent, child = ctx.Pipe()
-            spec = WorkerSpec(
-                backend,
-                rank,
-                n,
-                names,
-                fail_on,
-                load_delay_s,
-                model_factory=model_factory,
-                device=devices[rank] if devices else "cpu",
-                sys_path=list(sys_path or []),
-            )
-            p = ctx.Process(target=_serve, args=(spec, child), daemon=True)
-            p.start()
-            self.processes.append(p)
-            pipes.append(parent)
-        for rank, parent in enumerate(pipes):
-            if not parent.poll(start_timeout_s):
-                self.stop()
-                raise TimeoutError(f"worker {rank} did not start within {start_timeout_s}s")
-            status, payload = parent.recv()
-            if status != "ok":
-                self.stop()
-                raise RuntimeError(f"worker {rank} failed to start: {payload}")
-            self.addresses.append(payload)
-
-    def client(self, timeout_s: float = CALL_TIMEOUT_S) -> FanoutClient:
-        return FanoutClient(self.addresses, timeout_s)
-
-    def each(self, method: str, *args: Any) -> list[Any]:
-        """Call a harness method (`received`, `digests`, ...) on every worker."""
-        return FanoutClient(self.addresses).call(method, *args)
-
-    def on(self, i: int, method: str, *args: Any) -> Any:
-        """Call a harness or session method on worker `i` only."""
-        return FanoutClient([self.addresses[i]]).call(method, *args)[0]
-
-    def kill(self, i: int) -> None:
-        p = self.processes[i]
-        if p.is_alive() and p.pid is not None:
-            os.kill(p.pid, 9)
-            p.join(10)
-
-    def stop(self) -> None:
-        for p in self.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-
-    def __enter__(self) -> WorkerPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+class WorkerPool(_WorkerPool):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("handlers", "tests.harness:host_sync_handlers")
+        super().__init__(*args, **kwargs)

@@ -38,6 +38,7 @@ from weight_transfer.control import (
     RELEASE_FIELD,
     REVERT_FIELD,
     SEAL_FIELD,
+    ChannelDownError,
     ControlCheck,
     ControlRefused,
     Refusal,
@@ -296,7 +297,7 @@ def synchronize_device(device: torch.device) -> None:
             accelerator.synchronize(device)
 
 
-_ROUND_STEPS = ("init_transfer_engine", "start_weight_update", "finish_weight_update")
+_ROUND_STEPS = ("init_transfer_engine", "start_weight_update", "finish_weight_update", "shutdown")
 _NO_ROUND = Refusal.NO_ROUND.say("update_weights called without a matching start_weight_update")
 _KEY_ATTR = "_wt_control_key"  # where a parsed init info keeps the trainer's control key
 
@@ -340,6 +341,9 @@ def _round_step(name: str, step: Callable[..., None]) -> Callable[..., None]:
         try:
             if name == "init_transfer_engine":
                 self._connect(args[0] if args else None, lambda: step(self, *args))
+            elif name == "shutdown":
+                self.connected = False
+                step(self)
             elif name == "start_weight_update":
                 self._open_round(lambda: step(self))
             else:
@@ -451,6 +455,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         self._expired: str | None = None
         self._watching = False
         self._control: ControlCheck | None = None  # the served trainer's key (`control`)
+        self.connected = False  # an init succeeded since the last shutdown
         self._generation: Any = None  # `weight_transfer.vllm.serving.Generation`, inside vLLM
         self._round_paused = False  # generation was paused when this round began
         self._round_label: str | None = None  # ... under this weight version label
@@ -588,10 +593,19 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         trainer (never connected, restarted, torn down by a failed round). Core calls
         it before every round opens. The default asks the backend's `channel` (an
         object with `require()`, such as a `GroupChannel`), whose refusal says
-        `Refusal.NO_CONNECTION`; a trainer that sees it re-admits the workers (`reconnect`)."""
+        `Refusal.NO_CONNECTION`; a backend without one is refused the same way
+        until an init succeeded, and again after `shutdown`. A trainer that sees
+        the refusal re-admits the workers (`reconnect`)."""
         require = getattr(getattr(self, "channel", None), "require", None)
         if callable(require):
             require()
+        elif not self.connected:
+            raise ChannelDownError(
+                Refusal.NO_CONNECTION.say(
+                    f"{type(self).__name__}: no trainer is connected (never connected, or "
+                    "shut down since): the trainer runs init_weight_transfer_engine again"
+                )
+            )
 
     def trainer_alive(self) -> bool | None:
         """Whether the trainer this engine serves still has its end open; None when
@@ -769,6 +783,7 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
             if check is not None and holder is not None and not takeover:
                 self._admit(check, holder)
             subclass_init()
+            self.connected = True
             self.release_held()  # a trainer connected: what the last one held is moot
             if check is None or holder is None or not holder.same_key(check):
                 self._control = check  # the same key again keeps its sequence numbers

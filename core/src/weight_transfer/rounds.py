@@ -13,8 +13,9 @@ Rules every round keeps, so no backend has to:
 - `update_weights` runs on a daemon thread while the backend transmits
   (`RoundClient`); the workers' answer is awaited only on the success path,
   at most `timeout_s`. On an error path nothing waits on a control-plane call:
-  the error is raised at once, and the next round's `start_weight_update`
-  first lets the old call end (bounded).
+  the error is raised at once, the workers are told to roll back from a
+  daemon thread, and the next round's `start_weight_update` first lets that
+  end (bounded).
 - A transmit step watches the call through `Transfer.wait`, so a worker that
   fails surfaces its own error at once rather than after a transport timeout.
 - A transmit step that ended the round in step with the workers (an in-band
@@ -141,10 +142,28 @@ class RoundClient:
             self._leftover = pending
             raise
 
-    def abandon(self) -> None:
-        """Forget the call in flight without waiting (an error path); the next start lets it end."""
-        if self.pending is not None:
-            self._leftover, self.pending = self.pending, None
+    def abandon(self, reason: str) -> None:
+        """End a failed round without waiting on it (an error path).
+
+        On a daemon thread, the call in flight is let end (bounded), then every
+        worker is told to roll the round back (`abort_round`), so a worker whose
+        part succeeded returns to its previous weights at once instead of when
+        its watchdog sees the round stall. The next start waits for both
+        (bounded). A client that ends failed rounds itself (`round_failed`: a
+        fleet) is left to do so.
+        """
+        pending, self.pending = self.pending, None
+        if callable(getattr(self.inner, "round_failed", None)):
+            self._leftover = pending
+            return
+
+        def end() -> None:
+            if pending is not None:
+                with contextlib.suppress(Exception):  # it belonged to the failed round
+                    pending.exception(timeout=self.timeout_s)
+            self.abort_round(reason)
+
+        self._leftover = in_background(end, name="wt-abort-rpc")
 
     def round_failed(self, error: BaseException) -> None:
         """Tell a client that ends rounds itself (`FanOutClient.round_failed`: every
@@ -261,7 +280,7 @@ class TrainerRound:
 
     def _fail(self, error: BaseException) -> None:
         self.closed = True
-        self.client.abandon()
+        self.client.abandon(f"the trainer's round failed: {type(error).__name__}: {error}")
         try:
             self.client.round_failed(error)
         finally:

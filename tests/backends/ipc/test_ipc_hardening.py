@@ -208,51 +208,6 @@ def test_a_refused_init_leaves_the_working_attachment_as_it_was(
 # --- re-admission: restarted workers, closed links, a fresh engine behind the client
 
 
-def test_a_killed_and_restarted_worker_is_readmitted_at_the_next_sync_bit_exactly() -> None:
-    shm_before = our_segments()
-    with WorkerPool("ipc", 2, model_factory=MODEL) as p:
-        client = Tampering(FreshClient(p))
-        first = mixed_tensors(1, big_numel=BIG)
-        engine = connect(p, DictSource(first), client)
-        engine.send_weights()
-        assert weights(p) == [fingerprints(first)] * 2
-        old_staging = set(client.handshakes[0]["segment_names"])
-        dead = p.processes[1].pid
-        p.kill(1)  # kill -9
-        engine.source = DictSource(mixed_tensors(2, big_numel=BIG))
-        with pytest.raises(ConnectionError):  # worker 1 is not there to attach
-            engine.send_weights()
-        assert fingerprints(p.on(0, "state_dict")) == fingerprints(first)  # worker 0 kept its
-        start_worker(p, 1, MODEL)
-        for seed in (3, 4):
-            target = mixed_tensors(seed, big_numel=BIG)
-            engine.source = DictSource(target)
-            engine.send_weights()  # the first one attaches both workers again
-            assert weights(p) == [fingerprints(target)] * 2
-        # trainer_init and the re-admission; between them a refused attempt when the
-        # trainer saw worker 1's death before sync 2 began (else sync 2 failed on the wire)
-        assert len(client.handshakes) in (2, 3)
-        assert old_staging.isdisjoint(mapped_segments(p.processes[0].pid))  # replaced, unmapped
-        engine.shutdown()
-        assert our_segments(os.getpid()) == [] and our_segments(dead) == []
-    assert our_segments() == shm_before
-
-
-def test_a_worker_whose_link_was_closed_is_readmitted_at_the_next_sync() -> None:
-    with WorkerPool("ipc", 2, model_factory=MODEL) as p:
-        client = Tampering(p.client())
-        engine = connect(p, DictSource(mixed_tensors(1, big_numel=BIG)), client)
-        engine.send_weights()
-        p.on(0, "shutdown_weight_transfer_engine")  # alive, but its link is closed
-        target = mixed_tensors(2, big_numel=BIG)
-        engine.source = DictSource(target)
-        engine.send_weights()
-        assert weights(p) == [fingerprints(target)] * 2
-        assert len(client.handshakes) == 2
-        engine.shutdown()
-        assert our_segments(os.getpid()) == []
-
-
 def test_a_fresh_engine_refuses_a_start_with_no_group_and_is_readmitted() -> None:
     """The trainer's link to the old process is intact, so only the fresh engine's
     refusal of the start (core's `Refusal.NO_CONNECTION`) can tell the trainer to attach again."""

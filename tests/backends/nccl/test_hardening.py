@@ -91,34 +91,6 @@ def _trainer(pool: WorkerPool, tensors: dict[str, Any], **extra: Any) -> Any:
     )
 
 
-def test_one_trainer_per_engine_unless_the_new_one_replaces_it() -> None:
-    tensors = mixed_tensors(4)
-    want = {n: digest(t) for n, t in tensors.items()}
-    with WorkerPool("nccl", 1, names=list(tensors)) as pool:
-        first = _trainer(pool, tensors)
-        with pytest.raises(WeightSyncRPCError) as refused:
-            _trainer(pool, tensors)
-        message = str(refused.value)
-        assert f"serves trainer {first.trainer_id}, which is alive" in message
-        assert "replace_trainer=True" in message
-        first.send_weights()  # the refusal changed nothing for the holder
-        assert pool.each("digests") == [want]
-
-        second = _trainer(pool, tensors, replace_trainer=True)
-        second.send_weights()
-        t0 = time.monotonic()
-        with pytest.raises(WeightSyncRPCError, match=f"now serves trainer {second.trainer_id}"):
-            first.send_weights()
-        assert time.monotonic() - t0 < 5.0  # at once, not after the 60 s timeout
-        first.shutdown()
-        second.shutdown()
-
-        third = _trainer(pool, tensors)  # the holder shut down: no replace needed
-        third.send_weights()
-        assert pool.each("digests") == [want]
-        third.shutdown()
-
-
 class _Relay:
     """Forwards to `inner`, rewriting each round's update info with `rewrite`. With
     `key` (a faulty control plane that read the init payload, which carries the

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.backends.ipc.models import BIG
-from tests.harness import WorkerPool, assert_received, digest
+from tests.harness import WorkerPool, digest
 from tests.sources import DictSource, mixed_tensors
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
 from weight_transfer.kits.group.stateless import free_port
@@ -17,16 +17,6 @@ from wt_nccl import NCCLTrainerInitInfo
 
 WORKERS = 2
 MODEL = "tests.backends.ipc.models:mixed_model"
-
-WIRE_MODES = {
-    "packed": {"packed": True, "packed_buffer_size_bytes": 1 << 20},
-    "packed-small-buffers": {
-        "packed": True,
-        "packed_buffer_size_bytes": 2048,
-        "packed_min_bucket_bytes": 0,
-    },
-    "unpacked": {"packed": False},
-}
 
 
 def connect(pool: WorkerPool, source: Any, **wire: Any) -> Any:
@@ -38,21 +28,6 @@ def connect(pool: WorkerPool, source: Any, **wire: Any) -> Any:
 
 def weights(pool: WorkerPool) -> list[dict[str, str]]:
     return [{n: digest(t) for n, t in sd.items()} for sd in pool.each("state_dict")]
-
-
-@pytest.mark.parametrize("mode", list(WIRE_MODES))
-def test_verified_rounds_are_bit_exact(mode: str) -> None:
-    tensors = mixed_tensors(0, big_numel=3000)  # 12 KB: split over the small buffers
-    with WorkerPool("nccl", WORKERS) as pool:
-        pool.each("set_names", list(tensors))
-        engine = connect(pool, DictSource(tensors), **WIRE_MODES[mode])
-        for round_ in range(3):
-            fresh = mixed_tensors(round_ + 1, big_numel=3000)
-            for name, t in tensors.items():
-                t.copy_(fresh[name])
-            engine.send_weights(weight_version=f"round-{round_}")
-            assert_received(pool, tensors)
-        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +80,11 @@ def test_a_byte_flipped_in_transit_refuses_the_round_and_keeps_the_previous_weig
     assert "worker 1" in message and f"bucket {k} of {len(plan.buckets)}" in message
     assert f"parameter {name!r}" in message, message
     assert weights(pool)[1] == before  # rolled back
-    # Worker 0 received every byte intact; its round stays open (uncommitted) until the
-    # trainer's next start aborts it. End it now to compare its weights too.
-    with pytest.raises(WeightSyncRPCError, match="aborted on request"):
-        pool.on(0, "update_weights", engine.client.control.sign(
-            {"wt_abort": "the trainer's round failed"}))  # fmt: skip
+    # Worker 0 received every byte intact; the trainer's failed round aborts its round
+    # in band (from a daemon thread), which rolls it back too.
+    deadline = time.monotonic() + 10
+    while weights(pool) != [before] * WORKERS and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert weights(pool) == [before] * WORKERS
 
     third = mixed_tensors(3, big_numel=BIG)

@@ -7,8 +7,11 @@
   `--weight-transfer-config '{"backend": "wt_nccl"}'`.
 - `weight_transfer.vllm.loader.VLLMLoader`: what `WeightTransferEngine.new_loader()`
   returns inside a vLLM worker (layerwise reload with an exact rollback).
-- `weight_transfer.vllm.tiny_model`: a small random Llama checkpoint, built locally.
-- `python -m weight_transfer.vllm.demo` (`wt demo`): train, sync, verify.
+- `weight_transfer.vllm.serving`, `snapshot`, `moe`: pausing generation around
+  a round, the rollback snapshot, and fused-expert layouts.
+
+(The demo, the bench and the tiny checkpoint builder are applications:
+wt-tools, `wt_tools.demo`, `wt_tools.bench`, `wt_tools.tiny_model`.)
 
 Importing this package imports nothing from vLLM.
 """

@@ -64,10 +64,14 @@ class FileTrainerEngine(ResyncTrainerEngine[FileTrainerInitInfo]):
     ) -> FileTrainerEngine:
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
         if engine.is_sender:
-            os.makedirs(init_info.directory, exist_ok=True)
-            worker_info = FileInitInfo(directory=init_info.directory, timeout_s=init_info.timeout_s)
-            engine.client.init_weight_transfer_engine(payload_of(worker_info))
+            engine.reconnect()
         return engine
+
+    def reconnect(self) -> None:
+        """The handshake (again, for workers that restarted): the directory to read."""
+        os.makedirs(self.info.directory, exist_ok=True)
+        worker_info = FileInitInfo(directory=self.info.directory, timeout_s=self.info.timeout_s)
+        self.client.init_weight_transfer_engine(payload_of(worker_info))
 
     def num_chunks(self, metas: list[ParamMeta]) -> int:
         return 1
@@ -81,9 +85,15 @@ class FileTrainerEngine(ResyncTrainerEngine[FileTrainerInitInfo]):
         pairs: Iterator[tuple[ParamMeta, torch.Tensor]],
         transfer: Transfer,
     ) -> None:
-        tensors = {meta.name: tensor.detach().cpu() for meta, tensor in pairs}
         self._remove_written()
         path = os.path.join(self.info.directory, f"round-{self.syncs}.pt")
+        try:
+            tensors = {meta.name: tensor.detach().cpu() for meta, tensor in pairs}
+        except BaseException as error:  # in band: the workers stop waiting for the file
+            with open(path + ".abort", "w") as notice:
+                notice.write(f"{type(error).__name__}: {error}")
+            self._written = path + ".abort"
+            raise
         torch.save(tensors, path + ".partial")
         os.replace(path + ".partial", path)
         self._written = path

@@ -57,6 +57,9 @@ class FileWorkerEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
         path = os.path.join(self.info.directory, update_info.filename)
         deadline = time.monotonic() + self.info.timeout_s
         while not os.path.exists(path):  # the trainer writes it while this call runs
+            if os.path.exists(path + ".abort"):
+                with open(path + ".abort") as notice:
+                    raise RuntimeError(f"example_file: the trainer aborted: {notice.read()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"example_file: {path} did not appear within {self.info.timeout_s:g}s"

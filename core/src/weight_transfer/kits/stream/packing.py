@@ -105,7 +105,7 @@ class BucketPlan:
     """A layout: the parameters, the buckets and, per parameter, its group's last bucket.
 
     `derived` holds what is computed once per plan from it (the digest
-    layouts of `digest.BucketDigests.of_plan`); it takes no part in equality.
+    layouts of `digests.BucketDigests.of_plan`); it takes no part in equality.
     """
 
     params: tuple[ParamMeta, ...]
@@ -135,7 +135,7 @@ def plan_buckets(
     `groups` defaults to `layerwise_groups` of the names and must partition
     them in metadata order. `max_pieces` (default: no limit) also closes a
     bucket that holds that many pieces, as a full one is closed (a fixed
-    staging buffer keeps one digest per piece: `digest.DigestRoom`).
+    staging buffer keeps one digest per piece: `digests.DigestRoom`).
 
     The plans of the last few layouts are kept: the same layout gets the same
     `BucketPlan` object, round after round and on both sides of an in-process
@@ -260,7 +260,7 @@ class WireParams:
     packed_min_bucket_bytes: int = DEFAULT_MIN_BUCKET_BYTES
     # Verified bytes: the trainer sends a digest of every piece, and each
     # worker checks the bytes it received before the bucket is loaded
-    # (`digest.py`); a mismatch fails the round naming the parameter.
+    # (`digests.py`); a mismatch fails the round naming the parameter.
     verify: bool = False
 
     def validate(self, what: str, *, staged: bool | None = None) -> None:

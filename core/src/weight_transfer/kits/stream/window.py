@@ -21,7 +21,7 @@ and waits for a running one, bounded, so a rollback never races a load.
 
 Verified bytes: `received(k, buf, unpacker, digests)` is the one call a
 receive loop makes per bucket. It runs the test-only receive hooks
-(`digest.RECEIVE_HOOKS`), unpacks and queues the load; with the trainer's
+(`digests.RECEIVE_HOOKS`), unpacks and queues the load; with the trainer's
 `digests` the queued task first checks the bucket's bytes in `buf`
 (`BucketDigests.check`) and loads nothing when they differ. `buf` is intact
 then, because the reuse rule waits for that very task before `buf` is

@@ -1,0 +1,39 @@
+"""`Profile`: what the conformance suite needs to know to drive one backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Profile", "TrainerInfo"]
+
+TrainerInfo = Callable[..., Any]
+"""`trainer_info(*, workers, wire, timeout_s, replace, workdir)` -> rank 0's
+`TrainerInitInfo` for a trainer feeding `workers` worker processes: `wire` is
+one of the profile's `wire_modes`, `timeout_s` bounds every wait, `replace`
+asks to take over an engine another live trainer holds, `workdir` is a fresh
+private directory (for a backend that needs one)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How the conformance suite drives one backend.
+
+    `backend`: the name both factories resolve (its entry points). The suite's
+    workers create their engine through `WeightTransferEngineFactory`, so the
+    backend must be installed, or importable from `sys_path` with its
+    `.dist-info` there. `wire_modes`: named option sets every bit-exact check
+    runs under (packed and unpacked, small buffers, ...). `knows_liveness`: the
+    worker engine's `trainer_alive()` is True while its trainer lives, so a
+    second trainer is refused rather than taking over.
+    """
+
+    backend: str
+    trainer_info: TrainerInfo
+    wire_modes: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {"default": {}})
+    sys_path: tuple[str, ...] = ()
+    knows_liveness: bool = True
+
+    def __str__(self) -> str:
+        return self.backend

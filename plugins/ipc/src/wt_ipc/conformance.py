@@ -1,0 +1,52 @@
+"""wt-ipc's conformance profile (`weight_transfer.testing`):
+
+    pytest -p weight_transfer.testing.plugin --pyargs weight_transfer.testing.conformance \
+        --wt-profile wt_ipc.conformance:PROFILE
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from weight_transfer.testing.profile import Profile
+
+
+def trainer_info(
+    *, workers: int, wire: Mapping[str, Any], timeout_s: float, replace: bool, workdir: str
+) -> Any:
+    from wt_ipc import IPCTrainerInitInfo
+
+    options = {"packed_buffer_size_bytes": 1 << 20, **wire}
+    return IPCTrainerInitInfo(
+        rank=0, num_workers=workers, timeout_s=timeout_s, replace_trainer=replace, **options
+    )
+
+
+PROFILE = Profile(
+    "ipc",
+    trainer_info,
+    wire_modes={
+        "packed": {"packed": True},
+        "packed-small-buffers": {
+            "packed": True,
+            "packed_buffer_size_bytes": 2048,
+            "packed_min_bucket_bytes": 0,
+            "packed_num_buffers": 3,
+        },
+        "unpacked": {"packed": False},
+        "verified-small-buffers": {  # two pieces per bucket at most (the digest room)
+            "packed": True,
+            "packed_buffer_size_bytes": 2048,
+            "packed_min_bucket_bytes": 0,
+            "verify": True,
+        },
+        "verified-one-buffer": {
+            "packed": True,
+            "packed_buffer_size_bytes": 4096,
+            "packed_num_buffers": 1,
+            "verify": True,
+        },
+        "verified-unpacked": {"packed": False, "packed_buffer_size_bytes": 2048, "verify": True},
+    },
+)
