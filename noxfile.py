@@ -72,7 +72,8 @@ def tests(session: nox.Session) -> None:
     """The whole suite on a real vLLM (CPU here), real processes, Ray and HTTP servers."""
     install_stack(session)
     session.install(*TEST_DEPS)
-    session.run("pytest", *(session.posargs or ["tests"]), env={"OMP_NUM_THREADS": "2"})
+    args = session.posargs or ["tests", "-m", "not extended"]
+    session.run("pytest", *args, env={"OMP_NUM_THREADS": "2"})
 
 
 @nox.session

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.ray,
+    pytest.mark.slow,
+    pytest.mark.extended,
+    pytest.mark.timeout(420),
+]
 
 MODES = {
     "nccl packed",

@@ -40,7 +40,14 @@ def test_compare_rejects_wrong_tokens_and_logprobs() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["nccl", "ipc", "sharded_rdt"])
+@pytest.mark.parametrize(
+    "backend",  # the README's demo (nccl) always; the others with the extended checks
+    [
+        "nccl",
+        pytest.param("ipc", marks=pytest.mark.extended),
+        pytest.param("sharded_rdt", marks=pytest.mark.extended),
+    ],
+)
 def test_demo_runs_and_verifies(backend: str) -> None:
     pytest.importorskip("vllm")
     if not installed(backend):

@@ -57,6 +57,10 @@ class Server:
         self.backend = backend
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._launch()
+
+    def _launch(self) -> None:
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs as deployed
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1")
@@ -65,7 +69,7 @@ class Server:
             "-m",
             "vllm.entrypoints.launchers.api_server.entry",
             "--model",
-            model_dir,
+            self.model_dir,
             "--host",
             "127.0.0.1",
             "--port",
@@ -78,14 +82,22 @@ class Server:
             "--kv-cache-memory-bytes",
             str(32 << 20),
             "--weight-transfer-config",
-            json.dumps({"backend": f"wt_{backend}"}),
+            json.dumps({"backend": f"wt_{self.backend}"}),
         ]
-        self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115
+        self._log = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
         self.http = httpx.Client(base_url=self.url, timeout=60.0)
+
+    def restart(self) -> None:
+        """SIGKILL the server (its process group: front end and engine), then start a
+        fresh one on its port, in place, and wait until it is ready."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        self.stop()
+        self._launch()
+        self.wait_ready()
 
     def log_tail(self) -> str:
         with open(self.log_path, "rb") as f:

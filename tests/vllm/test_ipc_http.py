@@ -139,6 +139,37 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def test_a_restarted_server_is_readmitted_at_the_next_sync(
+    ipc_server: Server, references: References, tmp_path: Any
+) -> None:
+    """The server (front end and engine) is killed with SIGKILL and started again on its
+    port; the trainer, still running, attaches the new engine to a fresh staging at its
+    next sync (no `trainer_init`), which then serves tokens equal to a fresh engine's,
+    and nothing of wt's is left in /dev/shm."""
+    server = ipc_server
+    http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    client = VersionedClient(http)
+    source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
+    trainer = connect(BACKEND, client, source, str(tmp_path))
+    try:
+        source.inner = ModuleSource(hf_model(2))
+        client.version = "before-restart"
+        trainer.send_weights()
+        assert server.generate() == references.outputs(2)
+
+        server.restart()
+        assert server.generate() == references.outputs(INITIAL_SEED)  # a fresh engine
+        source.inner = ModuleSource(hf_model(3))
+        client.version = "after-restart"
+        trainer.send_weights()  # attaches the new engine, then syncs it
+        assert server.generate() == references.outputs(3)
+        assert server.weight_version() == "after-restart"
+        assert glob.glob(f"/dev/shm/wt-{os.getpid()}-*") == []
+    finally:
+        trainer.shutdown()
+        http.close()
+
+
 def test_sigterm_ends_a_worker_stuck_in_a_round_and_leaves_no_shared_memory(
     ipc_server: Server, tmp_path: Any
 ) -> None:

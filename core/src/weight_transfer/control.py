@@ -76,6 +76,7 @@ __all__ = [
     "refused",
     "abort_round",
     "start_round",
+    "finish_round",
     "control_round",
 ]
 
@@ -322,6 +323,15 @@ def abort_round(update: Call, reason: str, sign: Sign) -> None:
             return
         raise
     raise RuntimeError("the engine accepted an abort as an update: it is not a wt engine")
+
+
+def finish_round(finish: Callable[..., None], weight_version: str | None) -> None:
+    """`finish(weight_version)`, or `finish()` without a label: a spec-style client's
+    `finish_weight_update` may take no argument."""
+    if weight_version is None:
+        finish()
+    else:
+        finish(weight_version)
 
 
 def start_round(start: Callable[[], None], abort: Callable[[str], None]) -> None:

@@ -61,6 +61,7 @@ from weight_transfer.control import (
     Refusal,
     abort_round,
     control_round,
+    finish_round,
     start_round,
     with_control_key,
 )
@@ -472,10 +473,8 @@ def _finish(replica: Any, weight_version: str | None) -> None:
     """Finish; a client that can keeps generation paused until `_resume` (the fleet decides)."""
     if getattr(replica, "resumes_on_request", False):
         replica.finish_weight_update(weight_version, resume=False)
-    elif weight_version is None:
-        replica.finish_weight_update()
     else:
-        replica.finish_weight_update(weight_version)
+        finish_round(replica.finish_weight_update, weight_version)
 
 
 def _resume(replica: Any) -> None:

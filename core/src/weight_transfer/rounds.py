@@ -45,6 +45,7 @@ from weight_transfer.control import (
     SEAL_FIELD,
     ControlKey,
     abort_round,
+    finish_round,
     start_round,
     with_control_key,
 )
@@ -176,10 +177,7 @@ class RoundClient:
         """Seal the round (`SEAL_FIELD`: nothing more comes), then finish it."""
         self.wait_update()
         self.inner.update_weights(self.control.sign({SEAL_FIELD: True}))
-        if weight_version is None:
-            self.inner.finish_weight_update()
-        else:
-            self.inner.finish_weight_update(weight_version)
+        finish_round(self.inner.finish_weight_update, weight_version)
 
 
 class Replicas(Protocol):
