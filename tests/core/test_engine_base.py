@@ -75,7 +75,14 @@ def test_is_sender_only_for_rank_zero() -> None:
 
 
 def _engine(vllm_config: Any = None, device: str = "cpu") -> EchoEngine:
-    return EchoEngine(WeightTransferConfig("echo"), vllm_config, device, TinyModel())
+    """An engine a trainer connected to; its `calls` start empty."""
+    return _connected(EchoEngine(WeightTransferConfig("echo"), vllm_config, device, TinyModel()))
+
+
+def _connected(engine: EchoEngine) -> EchoEngine:
+    engine.init_transfer_engine(engine.parse_init_info(_init()))
+    engine.calls.clear()
+    return engine
 
 
 @dataclasses.dataclass
@@ -218,7 +225,7 @@ def test_drain_pending_is_idempotent_and_flags_have_defaults() -> None:
 
 def test_set_and_reset_weight_update_target() -> None:
     main_model = TinyModel()
-    engine = EchoEngine(WeightTransferConfig("echo"), None, "cpu", main_model)
+    engine = _connected(EchoEngine(WeightTransferConfig("echo"), None, "cpu", main_model))
     draft, draft_config = TinyModel(), SimpleNamespace(name="draft")
     engine.set_weight_update_target(draft, draft_config)
     assert engine.model is draft and engine.model_config is draft_config
@@ -340,7 +347,7 @@ def test_direct_loader_copies_into_a_plain_module_by_name() -> None:
 
 
 def test_a_module_that_cannot_be_loaded_is_refused_at_start() -> None:
-    engine = EchoEngine(WeightTransferConfig("echo"), None, "cpu", torch.nn.ReLU())
+    engine = _connected(EchoEngine(WeightTransferConfig("echo"), None, "cpu", torch.nn.ReLU()))
     with pytest.raises(TypeError, match=r"ReLU has neither load_weights.*nor parameters"):
         engine.start_weight_update()
     assert not engine.round_open
@@ -367,7 +374,7 @@ def test_a_subclass_calling_super_runs_inside_one_transaction() -> None:
             self.calls.append("layered-finish")
             super().finish_weight_update()
 
-    engine = Layered(WeightTransferConfig("echo"), None, "cpu", TinyModel())
+    engine = _connected(Layered(WeightTransferConfig("echo"), None, "cpu", TinyModel()))
     engine.start_weight_update()
     engine.update_weights({"names": ["a"], "values": [1.0]})
     engine.finish_weight_update()
@@ -497,3 +504,22 @@ def test_a_round_without_an_undo_record_leaves_the_engine_incomplete_until_one_l
     engine.finish_weight_update()
     assert engine.incomplete is None
     assert torch.equal(engine.model.b, torch.full((2, 2), 6.0))
+
+
+def test_an_engine_without_a_channel_refuses_a_round_until_connected_and_after_shutdown() -> None:
+    """Core's own connection state, for a backend that keeps no `channel`: the refusal
+    carries `Refusal.NO_CONNECTION`, on which a trainer re-admits the workers."""
+    from weight_transfer.control import Refusal, refused
+
+    engine = EchoEngine(WeightTransferConfig("echo"), None, "cpu", TinyModel())
+    with pytest.raises(RuntimeError) as never:
+        engine.start_weight_update()
+    assert refused(never.value, Refusal.NO_CONNECTION) and not engine.round_open
+    _connected(engine).start_weight_update()
+    engine.update_weights({"names": ["a"], "values": [4.0]})
+    engine.finish_weight_update()
+    assert torch.equal(engine.model.a, torch.full((3,), 4.0))
+    engine.shutdown()
+    with pytest.raises(RuntimeError) as after:
+        engine.start_weight_update()
+    assert refused(after.value, Refusal.NO_CONNECTION) and not engine.round_open

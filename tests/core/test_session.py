@@ -22,8 +22,12 @@ INIT = {"wire_protocol": WIRE_PROTOCOL_VERSION, "endpoint": "tcp://127.0.0.1:9"}
 
 
 def _session(position: WorkerPosition | None = None, draft: Any = None) -> WorkerSession:
+    """A session whose engine a trainer connected to; its `calls` start empty."""
     engine = EchoEngine(WeightTransferConfig("echo"), position, "cpu", TinyModel())
-    return WorkerSession(engine, draft_model=draft)
+    session = WorkerSession(engine, draft_model=draft)
+    session.init_weight_transfer_engine(INIT)
+    engine.calls.clear()
+    return session
 
 
 def _engine(s: WorkerSession) -> EchoEngine:

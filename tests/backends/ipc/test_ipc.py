@@ -98,6 +98,14 @@ def test_payloads_are_json_and_segments_private_and_unlinked_once_attached(
 
 
 @pytest.fixture(scope="module")
+def one_worker() -> Iterator[WorkerPool]:
+    """One worker holding `MODEL`, shared: each test connects its own trainer and shuts it
+    down, and a refused handshake or update leaves the worker as good as new."""
+    with WorkerPool("ipc", 1, model_factory=MODEL) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
 def foreign_segment() -> Iterator[str]:
     """A wt segment that another process (not the trainer) owns."""
     code = (
@@ -144,7 +152,7 @@ BAD_HANDSHAKES: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
 
 @pytest.mark.parametrize("case", [*BAD_HANDSHAKES, "foreign-segment"])
 def test_a_bad_handshake_is_refused_naming_the_field_with_nothing_loaded(
-    case: str, foreign_segment: str
+    one_worker: WorkerPool, case: str, foreign_segment: str
 ) -> None:
     if case == "foreign-segment":
         owner = foreign_segment.split("-")[1]
@@ -152,20 +160,20 @@ def test_a_bad_handshake_is_refused_naming_the_field_with_nothing_loaded(
     else:
         rewrite, match = BAD_HANDSHAKES[case]
     tensors = mixed_tensors(0, big_numel=BIG)
-    with WorkerPool("ipc", 1, model_factory=MODEL) as p:
-        before = {n: digest(t) for n, t in p.each("state_dict")[0].items()}
-        with pytest.raises(WeightSyncRPCError, match=match):
-            connect(p, DictSource(tensors), Tampering(p.client(), init=rewrite))
-        assert our_segments(os.getpid()) == []  # the refused trainer released its segments
-        after = {n: digest(t) for n, t in p.each("state_dict")[0].items()}
-        assert after == before
-        target = mixed_tensors(5, big_numel=BIG)
-        engine = connect(p, DictSource(target))  # the worker is as good as new
-        engine.send_weights()
-        assert {n: digest(t) for n, t in p.each("state_dict")[0].items()} == {
-            n: digest(t) for n, t in target.items()
-        }
-        engine.shutdown()
+    p = one_worker
+    before = {n: digest(t) for n, t in p.each("state_dict")[0].items()}
+    with pytest.raises(WeightSyncRPCError, match=match):
+        connect(p, DictSource(tensors), Tampering(p.client(), init=rewrite))
+    assert our_segments(os.getpid()) == []  # the refused trainer released its segments
+    after = {n: digest(t) for n, t in p.each("state_dict")[0].items()}
+    assert after == before
+    target = mixed_tensors(5, big_numel=BIG)
+    engine = connect(p, DictSource(target))  # the worker is as good as new
+    engine.send_weights()
+    assert {n: digest(t) for n, t in p.each("state_dict")[0].items()} == {
+        n: digest(t) for n, t in target.items()
+    }
+    engine.shutdown()
 
 
 BAD_UPDATES: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], str]] = {
@@ -212,31 +220,32 @@ def _renamed(update: dict[str, Any], a: str, b: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("case", list(BAD_UPDATES))
 def test_a_bad_update_is_refused_naming_the_field_and_the_previous_weights_stay(
+    one_worker: WorkerPool,
     case: str,
 ) -> None:
     rewrite, match = BAD_UPDATES[case]
     first = mixed_tensors(1, big_numel=BIG)
-    with WorkerPool("ipc", 1, model_factory=MODEL) as p:
-        client = Tampering(p.client())
-        engine = connect(p, DictSource(first), client, packed_buffer_size_bytes=4096)
+    p = one_worker
+    client = Tampering(p.client())
+    engine = connect(p, DictSource(first), client, packed_buffer_size_bytes=4096)
+    engine.send_weights()
+    want = {n: digest(t) for n, t in first.items()}
+    client.update = rewrite
+    engine.source = DictSource(mixed_tensors(2, big_numel=BIG))
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncRPCError, match=match):
         engine.send_weights()
-        want = {n: digest(t) for n, t in first.items()}
-        client.update = rewrite
-        engine.source = DictSource(mixed_tensors(2, big_numel=BIG))
-        t0 = time.monotonic()
-        with pytest.raises(WeightSyncRPCError, match=match):
-            engine.send_weights()
-        assert time.monotonic() - t0 < 10
-        assert {n: digest(t) for n, t in p.each("state_dict")[0].items()} == want
-        client.update = None
-        target = mixed_tensors(3, big_numel=BIG)
-        engine.source = DictSource(target)
-        engine.send_weights()  # the link carries the next round
-        assert {n: digest(t) for n, t in p.each("state_dict")[0].items()} == {
-            n: digest(t) for n, t in target.items()
-        }
-        assert len(client.handshakes) == 1  # on the same link: no re-attachment
-        engine.shutdown()
+    assert time.monotonic() - t0 < 10
+    assert {n: digest(t) for n, t in p.each("state_dict")[0].items()} == want
+    client.update = None
+    target = mixed_tensors(3, big_numel=BIG)
+    engine.source = DictSource(target)
+    engine.send_weights()  # the link carries the next round
+    assert {n: digest(t) for n, t in p.each("state_dict")[0].items()} == {
+        n: digest(t) for n, t in target.items()
+    }
+    assert len(client.handshakes) == 1  # on the same link: no re-attachment
+    engine.shutdown()
 
 
 def test_num_workers_must_match_the_workers_that_attach(pool: WorkerPool) -> None:

@@ -142,50 +142,55 @@ def _renamed(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "names": names}
 
 
+@pytest.fixture(scope="module")
+def one_worker() -> Iterator[WorkerPool]:
+    """One worker, shared: each test connects its own trainer and shuts it down."""
+    with WorkerPool("nccl", 1, names=list(mixed_tensors(11))) as pool:
+        yield pool
+
+
 @pytest.mark.parametrize(
     ("rewrite", "field"),
     [(_transposed, "shapes"), (_narrowed, "dtype_names"), (_renamed, "names")],
     ids=["transposed", "narrowed", "renamed"],
 )
 def test_an_update_rewritten_on_its_way_is_refused_naming_the_field_and_changes_nothing(
-    rewrite: Any, field: str
+    one_worker: WorkerPool, rewrite: Any, field: str
 ) -> None:
     """Without the key the signature fails; with it (a faulty control plane), the
     trainer's header on the wire does not match: either way the worker refuses before
     it sizes a receive (a wrong size used to abort its process), keeps its weights,
     and the group carries the next round as it is."""
     first, second = mixed_tensors(11), mixed_tensors(12)
-    with WorkerPool("nccl", 1, names=list(first)) as pool:
-        relay = _Relay(pool.client(), None)
-        info = NCCLTrainerInitInfo(
-            "127.0.0.1", free_port(), 2, rank=0, timeout_s=60.0, packed_buffer_size_bytes=2048
-        )
-        engine = WeightTransferTrainerFactory.trainer_init(
-            info, client=relay, source=DictSource(first)
-        )
-        engine.send_weights()
-        want = {n: digest(t) for n, t in first.items()}
+    pool = one_worker
+    relay = _Relay(pool.client(), None)
+    info = NCCLTrainerInitInfo(
+        "127.0.0.1", free_port(), 2, rank=0, timeout_s=60.0, packed_buffer_size_bytes=2048
+    )
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=relay, source=DictSource(first))
+    engine.send_weights()
+    want = {n: digest(t) for n, t in first.items()}
 
-        engine.source = DictSource(second)
-        relay.rewrite = rewrite
-        t0 = time.monotonic()
-        with pytest.raises(WeightSyncRPCError, match="field 'wt_auth' does not prove"):
-            engine.send_weights()  # signed by the trainer, altered on its way
-        assert time.monotonic() - t0 < 10.0  # not the 60 s timeout
-        assert pool.each("digests") == [want]
-        # The worker refused before it touched the wire, the trainer's broadcast failed:
-        # the next round re-forms the group first.
+    engine.source = DictSource(second)
+    relay.rewrite = rewrite
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncRPCError, match="field 'wt_auth' does not prove"):
+        engine.send_weights()  # signed by the trainer, altered on its way
+    assert time.monotonic() - t0 < 10.0  # not the 60 s timeout
+    assert pool.each("digests") == [want]
+    # The worker refused before it touched the wire, the trainer's broadcast failed:
+    # the next round re-forms the group first.
 
-        relay.key = engine.client.control
-        t0 = time.monotonic()
-        with pytest.raises(WeightSyncRPCError, match=f"field '{field}' differs from the"):
-            engine.send_weights()  # signed again with the trainer's key
-        assert time.monotonic() - t0 < 10.0
-        assert pool.each("digests") == [want]  # the worker is alive and kept its weights
-        group, inits = engine.channel.group, relay.inits
+    relay.key = engine.client.control
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncRPCError, match=f"field '{field}' differs from the"):
+        engine.send_weights()  # signed again with the trainer's key
+    assert time.monotonic() - t0 < 10.0
+    assert pool.each("digests") == [want]  # the worker is alive and kept its weights
+    group, inits = engine.channel.group, relay.inits
 
-        relay.rewrite = None
-        engine.send_weights()
-        assert pool.each("digests") == [{n: digest(t) for n, t in second.items()}]
-        assert (engine.channel.group, relay.inits) == (group, inits)  # drained: still in step
-        engine.shutdown()
+    relay.rewrite = None
+    engine.send_weights()
+    assert pool.each("digests") == [{n: digest(t) for n, t in second.items()}]
+    assert (engine.channel.group, relay.inits) == (group, inits)  # drained: still in step
+    engine.shutdown()
