@@ -44,7 +44,7 @@ from weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
-from weight_transfer.control import REVERT_FIELD, Refusal, control_round, refused
+from weight_transfer.control import ABORT_FIELD, REVERT_FIELD, Refusal, control_round, refused
 
 __all__ = [
     "WeightSyncRPCError",
@@ -149,7 +149,9 @@ class _PausingClient:
         try:
             self._call_update(update_info)
         except BaseException as error:
-            self._resume_after(error)
+            aborting = isinstance(update_info, dict) and ABORT_FIELD in update_info
+            if not (aborting and refused(error, Refusal.NO_ROUND)):
+                self._resume_after(error)  # else it found no round: whatever ended it decided
             raise
 
     def finish_weight_update(

@@ -109,16 +109,22 @@ class RoundClient:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def _let_leftover_end(self) -> None:
+        """Let what a failed round left on its own thread end (bounded), ignoring its
+        outcome: the caller's client never carries two calls at once."""
+        leftover, self._leftover = self._leftover, None
+        if leftover is not None:
+            with contextlib.suppress(Exception):
+                leftover.exception(timeout=self.timeout_s)
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._let_leftover_end()
         self.inner.init_weight_transfer_engine(with_control_key(init_info, self.control))
 
     def start_weight_update(self) -> None:
         """Start a round; one left open on the workers (a trainer that died
         mid-round, an update refused before it reached them) is aborted first."""
-        leftover, self._leftover = self._leftover, None
-        if leftover is not None:
-            with contextlib.suppress(Exception):
-                leftover.exception(timeout=self.timeout_s)
+        self._let_leftover_end()
         start_round(self.inner.start_weight_update, self.abort_round)
 
     def abort_round(self, reason: str) -> None:
@@ -143,8 +149,9 @@ class RoundClient:
             self._leftover = pending
             raise
 
-    def abandon(self, reason: str) -> None:
-        """End a failed round without waiting on it (an error path).
+    def abandon(self, reason: str | None) -> None:
+        """End a failed round without waiting on it (an error path); `reason`: why,
+        or None when the workers ended the round themselves (a failed finish).
 
         On a daemon thread, the call in flight is let end (bounded), then every
         worker is told to roll the round back (`abort_round`), so a worker whose
@@ -154,7 +161,7 @@ class RoundClient:
         fleet) is left to do so.
         """
         pending, self.pending = self.pending, None
-        if callable(getattr(self.inner, "round_failed", None)):
+        if reason is None or callable(getattr(self.inner, "round_failed", None)):
             self._leftover = pending
             return
 
@@ -264,21 +271,24 @@ class TrainerRound:
         self.timeout_s = timeout_s
         self.closed = False
 
-    def _guard(self, step: Callable[[], T]) -> T:
+    def _guard(self, step: Callable[[], T], *, finishing: bool = False) -> T:
         if self.closed:
             raise RuntimeError("this round has ended; open a new one")
         try:
             return step()
         except AlignedFailure as failed:
-            self._fail(failed.error)
+            self._fail(failed.error, finishing)
             raise failed.error from None
         except BaseException as error:
-            self._fail(error)
+            self._fail(error, finishing)
             raise
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, finishing: bool) -> None:
+        """End the round; the workers are told to roll back unless the failure was
+        their finish, which ends the round there either way."""
         self.closed = True
-        self.client.abandon(f"the trainer's round failed: {type(error).__name__}: {error}")
+        reason = f"the trainer's round failed: {type(error).__name__}: {error}"
+        self.client.abandon(None if finishing else reason)
         try:
             self.client.round_failed(error)
         finally:
@@ -297,7 +307,7 @@ class TrainerRound:
 
     def finish(self, weight_version: str | None = None) -> None:
         """`finish_weight_update(weight_version)`: the workers commit weights and label."""
-        self._guard(lambda: self.client.finish_weight_update(weight_version))
+        self._guard(lambda: self.client.finish_weight_update(weight_version), finishing=True)
         self.closed = True
         self.tracker.weight_version = weight_version
         self.tracker.finish()

@@ -30,14 +30,15 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from weight_transfer import ParamMeta, WeightSource
+from weight_transfer import WeightSource
 from weight_transfer.kits.stream import PlanCache, RotatingBuffers, WireParams
+from weight_transfer.testing.models import TensorSource
 from wt_tools.workers import LayoutEntry, WorkerProcesses, checksum, peak_rss_bytes, reset_peak_rss
 
 __all__ = ["Scenario", "dense_layout", "moe_layout", "run_scenario", "scenarios_for"]
@@ -138,19 +139,6 @@ def scenarios_for(quick: bool, repeats: int) -> list[Scenario]:
             repeats,
         ),
     ]
-
-
-class TensorSource(WeightSource):
-    """The tensors of an ordered dict, in order (swap `tensors` between rounds)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.tensors.items())
 
 
 def _random_tensors(layout: Sequence[LayoutEntry], seed: int) -> dict[str, torch.Tensor]:
