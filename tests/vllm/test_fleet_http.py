@@ -115,7 +115,7 @@ def fleet(tiny_dirs: TinyDirs, tmp_path_factory: pytest.TempPathFactory) -> Iter
         f.stop()
 
 
-FAULTS = [("start", "unreachable", 0), ("update", "refused", 1), ("finish", "lost", 1)]
+FAULTS = [("start", "unreachable", 0), ("update", "refused", 1), ("finish", "lost", 0)]
 
 
 def test_fleet_all_or_nothing_in_every_phase(fleet: Fleet, references: References) -> None:

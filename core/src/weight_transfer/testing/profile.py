@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Profile", "TrainerInfo"]
+__all__ = ["STREAM_WIRE_MODES", "Profile", "TrainerInfo"]
 
 TrainerInfo = Callable[..., Any]
 """`trainer_info(*, workers, wire, timeout_s, replace, workdir)` -> rank 0's
@@ -37,3 +37,18 @@ class Profile:
 
     def __str__(self) -> str:
         return self.backend
+
+
+_SMALL = {"packed": True, "packed_buffer_size_bytes": 2048, "packed_min_bucket_bytes": 0}
+STREAM_WIRE_MODES: Mapping[str, Mapping[str, Any]] = {
+    "packed": {"packed": True, "packed_buffer_size_bytes": 1 << 20},
+    "packed-small-buffers": {**_SMALL, "packed_num_buffers": 3},  # one tensor over many buckets
+    "unpacked": {"packed": False, "packed_buffer_size_bytes": 2048},
+    "verified-small-buffers": {**_SMALL, "verify": True},
+    "verified-one-buffer": {"packed": True, "packed_buffer_size_bytes": 4096,
+                            "packed_num_buffers": 1, "verify": True},
+    "verified-unpacked": {"packed": False, "packed_buffer_size_bytes": 2048, "verify": True},
+}  # fmt: skip
+"""The wire modes of a backend whose trainer init info carries the stream kit's
+`WireParams` (`weight_transfer.kits.stream`): packed, unpacked, small buffers,
+one buffer, and verified bytes."""

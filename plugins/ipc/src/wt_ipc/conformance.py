@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from weight_transfer.testing.profile import Profile
+from weight_transfer.testing.profile import STREAM_WIRE_MODES, Profile
 
 
 def trainer_info(
@@ -23,30 +23,4 @@ def trainer_info(
     )
 
 
-PROFILE = Profile(
-    "ipc",
-    trainer_info,
-    wire_modes={
-        "packed": {"packed": True},
-        "packed-small-buffers": {
-            "packed": True,
-            "packed_buffer_size_bytes": 2048,
-            "packed_min_bucket_bytes": 0,
-            "packed_num_buffers": 3,
-        },
-        "unpacked": {"packed": False},
-        "verified-small-buffers": {  # two pieces per bucket at most (the digest room)
-            "packed": True,
-            "packed_buffer_size_bytes": 2048,
-            "packed_min_bucket_bytes": 0,
-            "verify": True,
-        },
-        "verified-one-buffer": {
-            "packed": True,
-            "packed_buffer_size_bytes": 4096,
-            "packed_num_buffers": 1,
-            "verify": True,
-        },
-        "verified-unpacked": {"packed": False, "packed_buffer_size_bytes": 2048, "verify": True},
-    },
-)
+PROFILE = Profile("ipc", trainer_info, wire_modes=STREAM_WIRE_MODES)

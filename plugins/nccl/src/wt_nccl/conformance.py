@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from weight_transfer.kits.group import free_port
-from weight_transfer.testing.profile import Profile
+from weight_transfer.testing.profile import STREAM_WIRE_MODES, Profile
 
 
 def trainer_info(
@@ -24,24 +24,4 @@ def trainer_info(
     )  # fmt: skip
 
 
-PROFILE = Profile(
-    "nccl",
-    trainer_info,
-    wire_modes={
-        "packed": {"packed": True, "packed_buffer_size_bytes": 1 << 20},
-        "packed-small-buffers": {
-            "packed": True,
-            "packed_buffer_size_bytes": 2048,
-            "packed_min_bucket_bytes": 0,
-            "packed_num_buffers": 3,
-        },
-        "unpacked": {"packed": False},
-        "verified-small-buffers": {
-            "packed": True,
-            "packed_buffer_size_bytes": 2048,
-            "packed_min_bucket_bytes": 0,
-            "verify": True,
-        },
-        "verified-unpacked": {"packed": False, "verify": True},
-    },
-)
+PROFILE = Profile("nccl", trainer_info, wire_modes=STREAM_WIRE_MODES)
