@@ -1,13 +1,13 @@
-"""Fleet guarantees against two live vLLM API servers on 127.0.0.1 (wt_nccl over gloo).
+"""Fleet guarantees against three live vLLM API servers on 127.0.0.1 (wt_nccl over gloo).
 
-One trainer hosts a group of 1 + 2 ranks; `FanOutClient.http` reaches both
-servers. A failure is injected at one replica in each phase in turn;
-afterwards both must serve tokens equal to a fresh engine loaded from the
+One trainer hosts a group of 1 + 3 ranks; `FanOutClient.http` reaches the
+three servers. A failure is injected at one replica in each phase in turn;
+afterwards all three must serve tokens equal to a fresh engine loaded from the
 previous weights, with the previous version label, and the next sync must move
-both. Then a replica is killed (SIGKILL of the process group this test
+all three. Then a replica is killed (SIGKILL of the process group this test
 started) and restarted as a new process on its port: it rejoins at the next
-sync (the group is re-formed) without the trainer restarting, while the other
-keeps serving.
+sync (the group is re-formed) without the trainer restarting, while the others
+keep serving.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ from weight_transfer import (
     ModuleSource,
     WeightTransferTrainerFactory,
 )
-from weight_transfer.kits.group.stateless import free_port
+from weight_transfer.kits.group import free_port
 
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPLICAS = 2
+REPLICAS = 3
 
 
 class Fleet:
@@ -115,7 +115,7 @@ def fleet(tiny_dirs: TinyDirs, tmp_path_factory: pytest.TempPathFactory) -> Iter
         f.stop()
 
 
-FAULTS = [("start", "unreachable", 0), ("update", "refused", 1), ("finish", "lost", 0)]
+FAULTS = [("start", "unreachable", 0), ("update", "refused", 1), ("finish", "lost", 2)]
 
 
 def test_fleet_all_or_nothing_in_every_phase(fleet: Fleet, references: References) -> None:
@@ -130,7 +130,7 @@ def test_fleet_all_or_nothing_in_every_phase(fleet: Fleet, references: Reference
             assert failed.value.unrecovered == []
             assert fleet.servers[replica].url in str(failed.value)
             fleet.assert_serving(references, 2, "v2")
-            fleet.sync(3, f"v3-after-{phase}")  # the next sync moves both
+            fleet.sync(3, f"v3-after-{phase}")  # the next sync moves all three
             fleet.assert_serving(references, 3, f"v3-after-{phase}")
             fleet.sync(2, "v2")
     assert traffic.failures == []
@@ -141,20 +141,20 @@ def test_a_restarted_replica_catches_up_at_the_next_sync(
     fleet: Fleet, references: References
 ) -> None:
     fleet.sync(3, "before-restart")
-    fleet.restart(1)
-    with pytest.raises(FleetError) as failed:  # replica 1 is still starting
+    fleet.restart(2)
+    with pytest.raises(FleetError) as failed:  # replica 2 is still starting
         fleet.sync(2, "while-down")
-    assert (failed.value.phase, failed.value.replica) == ("start", 1)
-    # the other serves on, on its weights
-    assert fleet.servers[0].generate() == references.outputs(3)
-    assert fleet.servers[0].weight_version() == "before-restart"
-    fleet.servers[1].wait_ready()
-    assert fleet.servers[1].generate() == references.outputs(INITIAL_SEED)  # a fresh process
+    assert (failed.value.phase, failed.value.replica) == ("start", 2)
+    for i in (0, 1):  # the others serve on, on their weights
+        assert fleet.servers[i].generate() == references.outputs(3)
+        assert fleet.servers[i].weight_version() == "before-restart"
+    fleet.servers[2].wait_ready()
+    assert fleet.servers[2].generate() == references.outputs(INITIAL_SEED)  # a fresh process
     started = time.monotonic()
-    fleet.sync(2, "after-restart")  # re-forms the group, then moves both
+    fleet.sync(2, "after-restart")  # re-forms the group, then moves all three
     print(f"sync with re-formed group: {time.monotonic() - started:.1f}s")
     read = time.monotonic()
-    assert fleet.client.weight_versions() == ["after-restart"] * REPLICAS
+    assert fleet.client.weight_versions() == ["after-restart"] * 3
     assert time.monotonic() - read < 5.0  # every replica answers its control reads at once
     fleet.assert_serving(references, 2, "after-restart")
     fleet.sync(3, "steady")

@@ -88,7 +88,9 @@ class Server:
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        self.http = httpx.Client(base_url=self.url, timeout=60.0)
+        # Above a group's timeout_s (60 s in these tests): a replica can stay paused that long
+        # after another refused an update (ARCHITECTURE.md, open work: Fleets).
+        self.http = httpx.Client(base_url=self.url, timeout=120.0)
 
     def restart(self) -> None:
         """SIGKILL the server (its process group: front end and engine), then start a

@@ -13,9 +13,9 @@ Rules every round keeps, so no backend has to:
 - `update_weights` runs on a daemon thread while the backend transmits
   (`RoundClient`); the workers' answer is awaited only on the success path,
   at most `timeout_s`. On an error path nothing waits on a control-plane call:
-  the error is raised at once, the workers are told to roll back from a
-  daemon thread, and the next round's `start_weight_update` first lets that
-  end (bounded).
+  the error is raised at once; after a failed update the workers are told to
+  roll back from a daemon thread, and the client's next init or start first
+  lets that end (bounded).
 - A transmit step watches the call through `Transfer.wait`, so a worker that
   fails surfaces its own error at once rather than after a transport timeout.
 - A transmit step that ended the round in step with the workers (an in-band
