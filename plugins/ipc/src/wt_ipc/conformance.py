@@ -17,9 +17,8 @@ def trainer_info(
 ) -> Any:
     from wt_ipc import IPCTrainerInitInfo
 
-    options = {"packed_buffer_size_bytes": 1 << 20, **wire}
     return IPCTrainerInitInfo(
-        rank=0, num_workers=workers, timeout_s=timeout_s, replace_trainer=replace, **options
+        rank=0, num_workers=workers, timeout_s=timeout_s, replace_trainer=replace, **wire
     )
 
 
