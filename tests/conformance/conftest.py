@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from weight_transfer.testing.plugin import load_profiles
+from weight_transfer.testing.plugin import parametrize_profiles
 
 FIRST_PARTY = [
     "wt_nccl.conformance:PROFILE",
@@ -15,10 +15,5 @@ FIRST_PARTY = [
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "wt_profile" in metafunc.fixturenames and not metafunc.config.getoption(
-        "--wt-profile", default=None
-    ):
-        profiles = load_profiles(FIRST_PARTY)
-        metafunc.parametrize(
-            "wt_profile", profiles, ids=[p.backend for p in profiles], scope="module"
-        )
+    if not metafunc.config.getoption("--wt-profile", default=None):
+        parametrize_profiles(metafunc, FIRST_PARTY)

@@ -42,10 +42,15 @@ def load_profiles(targets: list[str]) -> list[Any]:
     return profiles
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    targets = metafunc.config.getoption("--wt-profile")
+def parametrize_profiles(metafunc: pytest.Metafunc, targets: list[str]) -> None:
+    """Run a test that takes `wt_profile` once per profile `targets` name (module-scoped,
+    so one profile's tests share its workers)."""
     if "wt_profile" in metafunc.fixturenames and targets:
         profiles = load_profiles(targets)
         metafunc.parametrize(
             "wt_profile", profiles, ids=[p.backend for p in profiles], scope="module"
         )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    parametrize_profiles(metafunc, metafunc.config.getoption("--wt-profile"))
