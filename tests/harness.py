@@ -20,6 +20,7 @@ from weight_transfer.testing.workers import (
     assert_received,
     corrupt_received,
     digest,
+    worker_context,
 )
 from weight_transfer.testing.workers import WorkerPool as _WorkerPool
 
@@ -35,6 +36,7 @@ __all__ = [
     "assert_received",
     "corrupt_received",
     "digest",
+    "worker_context",
 ]
 
 

@@ -80,6 +80,6 @@ def make_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[MakeD
 
 @pytest.fixture
 def fresh_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from weight_transfer import hooks
+    from weight_transfer.runtime import hooks
 
     monkeypatch.setattr(hooks, "_manager", None)

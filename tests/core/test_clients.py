@@ -29,7 +29,7 @@ from weight_transfer import (
     WeightTransferUpdateRequest,
     WorkerSession,
 )
-from weight_transfer.control import SEAL_FIELD
+from weight_transfer.runtime.control import SEAL_FIELD
 
 
 @dataclass
@@ -169,7 +169,7 @@ def test_http_client_leaves_an_incomplete_model_paused(server: Server) -> None:
     """An engine that could not roll back (no undo record) says
     `Refusal.MODEL_INCOMPLETE`: no resume after that refusal, and the next
     complete round resumes."""
-    from weight_transfer.control import Refusal
+    from weight_transfer.runtime.control import Refusal
 
     client = HTTPVLLMWeightSyncClient(server.url, timeout=10, reset_prefix_cache=False)
     said = Refusal.MODEL_INCOMPLETE.say("a round failed after it loaded")

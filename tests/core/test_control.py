@@ -1,4 +1,4 @@
-"""Who may drive an engine's rounds (`weight_transfer.control`): the trainer that
+"""Who may drive an engine's rounds (`weight_transfer.runtime.control`): the trainer that
 connected it, proven per message; everything else is refused naming what is wrong,
 and nothing of it is acted on."""
 
@@ -11,7 +11,7 @@ import torch
 
 from tests.core.helpers import EchoEngine, TinyModel
 from weight_transfer import WeightTransferConfig, WorkerSession
-from weight_transfer.control import (
+from weight_transfer.runtime.control import (
     AUTH_FIELD,
     CONTROL_KEY_FIELD,
     HOLD_FIELD,
@@ -185,7 +185,7 @@ def test_a_payload_verifies_the_same_after_json_and_as_python_objects() -> None:
 def test_refusals_are_read_from_codes_and_from_vllms_own_texts() -> None:
     """A client acts on a refusal's code, wherever in the message it sits, and on
     vLLM's host texts, which carry none; other errors carry no refusal."""
-    from weight_transfer.control import Refusal, refusals, refused
+    from weight_transfer.runtime.control import Refusal, refusals, refused
 
     said = Refusal.ABORTED.say("aborted on request: x")
     both = f"RuntimeError: {said}; {Refusal.MODEL_INCOMPLETE.say('part of a round')}"
@@ -202,7 +202,7 @@ def test_the_three_round_helpers_act_on_codes_only() -> None:
     """`abort_round` accepts an aborted or already-closed round and refuses an engine
     that took the abort as an update; `start_round` aborts a round left open, once;
     `control_round` treats an accepted refusal as the answer and skips the finish."""
-    from weight_transfer.control import (
+    from weight_transfer.runtime.control import (
         ABORT_FIELD,
         Refusal,
         abort_round,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weight_transfer.dtypes import WIRE_DTYPES, dtype_from_name, dtype_name
+from weight_transfer.payload import WIRE_DTYPES, dtype_from_name, dtype_name
 
 
 def test_every_allowed_dtype_round_trips_under_its_torch_name() -> None:

@@ -20,15 +20,17 @@ from weight_transfer import (
     WorkerSession,
     __version__,
 )
-from weight_transfer.base import ABORT_FIELD, RoundAbortedError, synchronize_device
-from weight_transfer.loading import DirectLoader, loader_for
-from weight_transfer.position import worker_position
-from weight_transfer.wire import (
+from weight_transfer.base import ABORT_FIELD, RoundAbortedError
+from weight_transfer.loading import loader_for
+from weight_transfer.payload import (
     WIRE_PROTOCOL_VERSION,
     ProtocolMismatchError,
     WireProtocolInfo,
     check_wire_protocol,
 )
+from weight_transfer.position import worker_position
+from weight_transfer.runtime.devices import synchronize_device
+from weight_transfer.runtime.direct_loader import DirectLoader
 
 # ------------------------------------------------------------- TrainerInitInfo
 
@@ -454,7 +456,7 @@ def test_an_abort_payload_rolls_the_round_back_and_closes_the_hosts_round() -> N
 
 
 def test_round_client_aborts_a_round_left_open_before_starting_its_own() -> None:
-    from weight_transfer.rounds import RoundClient
+    from weight_transfer.runtime.round_client import RoundClient
 
     session = WorkerSession(_engine())
     session.start_weight_update()  # a trainer that died here
@@ -475,7 +477,7 @@ def test_a_round_without_an_undo_record_leaves_the_engine_incomplete_until_one_l
     refusal until a round commits, and refuses to hold a commit."""
     from weight_transfer import loading
     from weight_transfer.base import ModelIncompleteError
-    from weight_transfer.control import HOLD_FIELD, Refusal, refused
+    from weight_transfer.runtime.control import HOLD_FIELD, Refusal, refused
 
     monkeypatch.setattr(loading, "_providers", [])
     loading.register_loader_provider(lambda model, cfg: DirectLoader(model, undo=False))
@@ -509,7 +511,7 @@ def test_a_round_without_an_undo_record_leaves_the_engine_incomplete_until_one_l
 def test_an_engine_without_a_channel_refuses_a_round_until_connected_and_after_shutdown() -> None:
     """Core's own connection state, for a backend that keeps no `channel`: the refusal
     carries `Refusal.NO_CONNECTION`, on which a trainer re-admits the workers."""
-    from weight_transfer.control import Refusal, refused
+    from weight_transfer.runtime.control import Refusal, refused
 
     engine = EchoEngine(WeightTransferConfig("echo"), None, "cpu", TinyModel())
     with pytest.raises(RuntimeError) as never:

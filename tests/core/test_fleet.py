@@ -11,7 +11,7 @@ import torch
 from tests.core.helpers import EchoEngine, TinyModel
 from tests.faults import FaultyReplica
 from weight_transfer import FanOutClient, FleetError, WeightTransferConfig, WorkerSession
-from weight_transfer.wire import WIRE_PROTOCOL_VERSION
+from weight_transfer.payload import WIRE_PROTOCOL_VERSION
 
 REPLICAS = 3
 INIT = {"wire_protocol": WIRE_PROTOCOL_VERSION, "endpoint": "tcp://127.0.0.1:9"}

@@ -13,7 +13,7 @@ from tests.core.conftest import MakeDist
 from tests.core.helpers import ExampleNet, expected_digests
 from tests.harness import FanoutClient, WorkerPool
 from weight_transfer import ModuleSource, WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.hooks import hookimpl, plugin_manager, register_hooks, track_sync
+from weight_transfer.runtime.hooks import hookimpl, plugin_manager, register_hooks, track_sync
 
 NAMES = [n for n, _ in ExampleNet().named_parameters()]
 
@@ -178,7 +178,7 @@ def test_failed_sync_reports_the_error(tmp_path: Path) -> None:
 
 
 HOOK_PLUGIN_SRC = """
-from weight_transfer.hooks import hookimpl
+from weight_transfer.runtime.hooks import hookimpl
 
 EVENTS = []
 
@@ -258,7 +258,7 @@ def test_a_wrapper_hook_is_refused_naming_it(plugin_cls: type) -> None:
 
 
 WRAPPER_PLUGIN_SRC = """
-from weight_transfer.hookspecs import hookimpl
+from weight_transfer.runtime.hookspecs import hookimpl
 
 
 @hookimpl(wrapper=True)
@@ -282,7 +282,7 @@ def test_a_wrapper_hook_from_an_entry_point_is_refused(make_dist: MakeDist, uniq
 def test_tracker_finish_and_fail_are_explicit_and_end_it_once() -> None:
     recorder = Recorder()
     register_hooks(recorder)
-    from weight_transfer.hooks import SyncTracker
+    from weight_transfer.runtime.hooks import SyncTracker
 
     tracker = SyncTracker("probe", 3, num_params=1, total_bytes=8, num_chunks=1)
     tracker.started()

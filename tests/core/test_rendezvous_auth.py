@@ -38,8 +38,8 @@ from weight_transfer.kits.group import (
 )
 from weight_transfer.kits.group.auth import new_secret
 from weight_transfer.kits.group.store import StoreRefused, StoreServer, connect_store
-from weight_transfer.waiting import in_background
-from weight_transfer.wire import WIRE_PROTOCOL_VERSION
+from weight_transfer.payload import WIRE_PROTOCOL_VERSION
+from weight_transfer.runtime.waiting import in_background
 
 HOST = "127.0.0.1"
 TRAINER = "trainer-under-test"

@@ -30,9 +30,9 @@ from weight_transfer.backend import (
     WeightTransferEngine,
     WeightTransferInitInfo,
 )
-from weight_transfer.control import SEAL_FIELD
-from weight_transfer.hooks import hookimpl, plugin_manager, register_hooks
-from weight_transfer.rounds import RoundClient
+from weight_transfer.runtime.control import SEAL_FIELD
+from weight_transfer.runtime.hooks import hookimpl, plugin_manager, register_hooks
+from weight_transfer.runtime.round_client import RoundClient
 
 
 @dataclass

@@ -16,7 +16,7 @@ from weight_transfer import (
     WorkerPosition,
     WorkerSession,
 )
-from weight_transfer.wire import WIRE_PROTOCOL_VERSION
+from weight_transfer.payload import WIRE_PROTOCOL_VERSION
 
 INIT = {"wire_protocol": WIRE_PROTOCOL_VERSION, "endpoint": "tcp://127.0.0.1:9"}
 

@@ -12,7 +12,7 @@ from weight_transfer import ParamMeta
 from weight_transfer.backend import DirectLoader
 from weight_transfer.kits.slices import UnsupportedOp, apply_chain, record_slices
 from weight_transfer.kits.stream import aligned_layout
-from weight_transfer.slices import write_scatter
+from weight_transfer.runtime.slices import write_scatter
 
 
 class Loaders(torch.nn.Module):

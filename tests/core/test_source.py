@@ -185,7 +185,7 @@ def test_first_non_finite_names_the_first_bad_tensor_across_dtypes(bad: float) -
     """One batched flag per call; the index is the first bad tensor in the caller's
     order, whatever the dtypes' order; a float16 tensor whose norm overflows its
     dtype but whose values are finite is not refused."""
-    from weight_transfer.source import first_non_finite
+    from weight_transfer.runtime.finite import first_non_finite
 
     tensors = [
         torch.ones(8, dtype=torch.bfloat16),

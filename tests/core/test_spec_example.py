@@ -29,13 +29,25 @@ from weight_transfer import (
     WeightTransferTrainerFactory,
 )
 
+MODULES = ("my_backend_trainer", "my_backend_worker")
+
+
+def _forget_other_installs() -> None:
+    """Drop what another test's install of the example left in this process (its
+    modules, the classes the factories resolved from them)."""
+    for module in MODULES:
+        sys.modules.pop(module, None)
+    for registry in (WeightTransferTrainerFactory.registry, WeightTransferEngineFactory.registry):
+        registry._resolved.pop("my_backend", None)
+
 
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    _forget_other_installs()
     site = install_spec_example(tmp_path / "site")
     monkeypatch.syspath_prepend(str(site))
     yield site
-    for module in ("my_backend_trainer", "my_backend_worker"):
+    for module in MODULES:
         sys.modules.pop(module, None)
 
 

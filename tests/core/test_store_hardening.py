@@ -42,7 +42,7 @@ from weight_transfer.kits.group import stateless as group_module
 from weight_transfer.kits.group import store as store_module
 from weight_transfer.kits.group.auth import new_secret
 from weight_transfer.kits.group.store import RemoteStore, StoreServer, connect_store
-from weight_transfer.waiting import in_background
+from weight_transfer.runtime.waiting import in_background
 
 WAIT_S = 60.0
 

@@ -8,7 +8,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from weight_transfer.waiting import (
+from weight_transfer.runtime.waiting import (
     TransferTimeout,
     await_transfer,
     in_background,
@@ -90,7 +90,7 @@ def test_work_future_completes_with_a_real_gloo_collective() -> None:
     import torch
     import torch.distributed as dist
 
-    from weight_transfer.waiting import work_future
+    from weight_transfer.runtime.waiting import work_future
 
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]

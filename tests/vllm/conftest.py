@@ -351,3 +351,18 @@ def served(
 
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
+
+
+@pytest.fixture(scope="session")
+def servers(
+    vllm_module: Any, tiny_dirs: TinyDirs, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """`servers(backend, n=1)`: live API servers, shared by the modules (`servers.ServerPool`)."""
+    pytest.importorskip("httpx")
+    from tests.vllm.servers import ServerPool
+
+    pool = ServerPool(tiny_dirs, str(tmp_path_factory.mktemp("servers")))
+    try:
+        yield pool
+    finally:
+        pool.stop()

@@ -1,19 +1,17 @@
-"""Fleet guarantees against three live vLLM API servers on 127.0.0.1 (wt_nccl over gloo).
+"""Fleet guarantees against two live vLLM API servers on 127.0.0.1 (wt_nccl over gloo).
 
-One trainer hosts a group of 1 + 3 ranks; `FanOutClient.http` reaches the
-three servers. A failure is injected at one replica in each phase in turn;
-afterwards all three must serve tokens equal to a fresh engine loaded from the
-previous weights, with the previous version label, and the next sync must move
-all three. Then a replica is killed (SIGKILL of the process group this test
-started) and restarted as a new process on its port: it rejoins at the next
-sync (the group is re-formed) without the trainer restarting, while the others
-keep serving.
+One trainer hosts a group of 1 + 2 ranks; `FanOutClient.http` reaches the
+session's two nccl servers (`servers`; `test_http.py` uses the first too). A
+failure is injected at one replica in each phase in turn; afterwards both
+must serve tokens equal to a fresh engine loaded from the previous weights,
+with the previous version label, and the next sync must move both. Then
+a replica is killed (SIGKILL of the process group the session started) and
+restarted as a new process on its port: it rejoins at the next sync (the group
+is re-formed) without the trainer restarting, while the others keep serving.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,11 +23,10 @@ from tests.vllm.conftest import (
     INITIAL_SEED,
     References,
     SwitchSource,
-    TinyDirs,
     hf_model,
     require_backend,
 )
-from tests.vllm.test_http import Server, Traffic
+from tests.vllm.servers import Server, Traffic
 from weight_transfer import (
     FanOutClient,
     FleetError,
@@ -43,18 +40,12 @@ pytest.importorskip("httpx")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPLICAS = 3
+REPLICAS = 2
 
 
 class Fleet:
-    def __init__(self, dirs: TinyDirs, logs: str) -> None:
-        self.dirs, self.logs = dirs, logs
-        self.servers = [
-            Server(dirs[INITIAL_SEED], os.path.join(logs, f"replica{i}.log"))
-            for i in range(REPLICAS)
-        ]
-        for server in self.servers:
-            server.wait_ready()
+    def __init__(self, servers: list[Server]) -> None:
+        self.servers = servers
         base = FanOutClient.http([s.url for s in self.servers], timeout=120.0)
         self.clients = [FaultyReplica(c) for c in base.replicas]
         self.client = FanOutClient(self.clients, names=base.names, timeout_s=120.0)
@@ -76,18 +67,12 @@ class Fleet:
 
     def restart(self, i: int) -> None:
         """Kill replica `i` (its server and engine) and start a new process on its port."""
-        old = self.servers[i]
-        os.killpg(old.proc.pid, signal.SIGKILL)
-        old.proc.wait(30)
-        old.stop()
-        self.servers[i] = Server(self.dirs[INITIAL_SEED], old.log_path, port=old.port)
+        self.servers[i].restart(wait=False)
 
     def stop(self) -> None:
         self.trainer.shutdown()
         for client in self.clients:
             client.close()
-        for server in self.servers:
-            server.stop()
 
 
 def _nccl_info() -> Any:
@@ -106,16 +91,17 @@ def _nccl_info() -> Any:
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_dirs: TinyDirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(servers: Any) -> Iterator[Fleet]:
     require_backend("nccl")
-    f = Fleet(tiny_dirs, str(tmp_path_factory.mktemp("fleet")))
+    f = Fleet(servers("nccl", REPLICAS))
     try:
         yield f
     finally:
         f.stop()
 
 
-FAULTS = [("start", "unreachable", 0), ("update", "refused", 1), ("finish", "lost", 2)]
+# The traffic runs at replica 1; the finish whose answer is lost is replica 0's.
+FAULTS = [("start", "unreachable", 0), ("update", "refused", 1), ("finish", "lost", 0)]
 
 
 def test_fleet_all_or_nothing_in_every_phase(fleet: Fleet, references: References) -> None:
@@ -130,7 +116,7 @@ def test_fleet_all_or_nothing_in_every_phase(fleet: Fleet, references: Reference
             assert failed.value.unrecovered == []
             assert fleet.servers[replica].url in str(failed.value)
             fleet.assert_serving(references, 2, "v2")
-            fleet.sync(3, f"v3-after-{phase}")  # the next sync moves all three
+            fleet.sync(3, f"v3-after-{phase}")  # the next sync moves both
             fleet.assert_serving(references, 3, f"v3-after-{phase}")
             fleet.sync(2, "v2")
     assert traffic.failures == []
@@ -140,21 +126,22 @@ def test_fleet_all_or_nothing_in_every_phase(fleet: Fleet, references: Reference
 def test_a_restarted_replica_catches_up_at_the_next_sync(
     fleet: Fleet, references: References
 ) -> None:
+    last = REPLICAS - 1
     fleet.sync(3, "before-restart")
-    fleet.restart(2)
-    with pytest.raises(FleetError) as failed:  # replica 2 is still starting
+    fleet.restart(last)
+    with pytest.raises(FleetError) as failed:  # the last replica is still starting
         fleet.sync(2, "while-down")
-    assert (failed.value.phase, failed.value.replica) == ("start", 2)
-    for i in (0, 1):  # the others serve on, on their weights
+    assert (failed.value.phase, failed.value.replica) == ("start", last)
+    for i in range(last):  # the others serve on, on their weights
         assert fleet.servers[i].generate() == references.outputs(3)
         assert fleet.servers[i].weight_version() == "before-restart"
-    fleet.servers[2].wait_ready()
-    assert fleet.servers[2].generate() == references.outputs(INITIAL_SEED)  # a fresh process
+    fleet.servers[last].wait_ready()
+    assert fleet.servers[last].generate() == references.outputs(INITIAL_SEED)  # a fresh process
     started = time.monotonic()
-    fleet.sync(2, "after-restart")  # re-forms the group, then moves all three
+    fleet.sync(2, "after-restart")  # re-forms the group, then moves both
     print(f"sync with re-formed group: {time.monotonic() - started:.1f}s")
     read = time.monotonic()
-    assert fleet.client.weight_versions() == ["after-restart"] * 3
+    assert fleet.client.weight_versions() == ["after-restart"] * REPLICAS
     assert time.monotonic() - read < 5.0  # every replica answers its control reads at once
     fleet.assert_serving(references, 2, "after-restart")
     fleet.sync(3, "steady")

@@ -1,192 +1,56 @@
 """`HTTPVLLMWeightSyncClient` against a real vLLM API server process on 127.0.0.1.
 
-The server (`VLLM_SERVER_DEV_MODE=1`, engine backend `wt_nccl`) is started
-and stopped by this module. Its completions after each sync are compared with
-fresh in-process engines loaded from the target checkpoints; its weight
-version is read through `GET /weight_info`.
+The server (`VLLM_SERVER_DEV_MODE=1`, engine backend `wt_nccl`) is the first of
+the session's nccl servers (`servers`, shared with the fleet's tests). Its
+completions after each sync are compared with fresh in-process engines loaded
+from the target checkpoints; its weight version is read through
+`GET /weight_info`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import select
-import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.vllm.conftest import (
     INITIAL_SEED,
-    LOGPROBS,
-    MAX_TOKENS,
-    PROMPTS,
     AlteredSource,
-    Outputs,
     References,
     SwitchSource,
-    TinyDirs,
     VersionedClient,
     connect,
     hf_model,
     require_backend,
 )
 from weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightSyncRPCError
-from weight_transfer.control import SEAL_FIELD
 from weight_transfer.kits.group.stateless import free_port
+from weight_transfer.runtime.control import SEAL_FIELD
 
 pytest.importorskip("vllm")
 httpx = pytest.importorskip("httpx")
 
+from tests.vllm.servers import Server, Traffic  # noqa: E402
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 BACKEND = "nccl"
-READY_TIMEOUT_S = 240.0
-
-
-class Server:
-    def __init__(
-        self, model_dir: str, log_path: str, backend: str = BACKEND, port: int | None = None
-    ) -> None:
-        self.model_dir = model_dir
-        self.backend = backend
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._launch()
-
-    def _launch(self) -> None:
-        env = dict(os.environ)
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs as deployed
-        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1")
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.launchers.api_server.entry",
-            "--model",
-            self.model_dir,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--max-model-len",
-            "256",
-            "--kv-cache-memory-bytes",
-            str(32 << 20),
-            "--weight-transfer-config",
-            json.dumps({"backend": f"wt_{self.backend}"}),
-        ]
-        self._log = open(self.log_path, "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        # Above a group's timeout_s (60 s in these tests): a replica can stay paused that long
-        # after another refused an update (ARCHITECTURE.md, open work: Fleets).
-        self.http = httpx.Client(base_url=self.url, timeout=120.0)
-
-    def restart(self) -> None:
-        """SIGKILL the server (its process group: front end and engine), then start a
-        fresh one on its port, in place, and wait until it is ready."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
-        self.stop()
-        self._launch()
-        self.wait_ready()
-
-    def log_tail(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read()[-4000:].decode(errors="replace")
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM server exited ({self.proc.returncode}):\n{self.log_tail()}"
-                )
-            try:
-                if self.http.get("/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"vLLM server not ready in {READY_TIMEOUT_S:g}s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        self.http.close()
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # the server and the engine it started
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
-
-    def generate(self) -> Outputs:
-        body = {
-            "model": self.model_dir,
-            "prompt": PROMPTS,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0.0,
-            "logprobs": LOGPROBS,
-            "ignore_eos": True,
-            "return_tokens_as_token_ids": True,
-        }
-        response = self.http.post("/v1/completions", json=body)
-        response.raise_for_status()
-        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
-        outputs: Outputs = []
-        for choice in choices:
-            lp = choice["logprobs"]
-            tokens = [_token_id(t) for t in lp["tokens"]]
-            positions = []
-            for token, logprob, top in zip(
-                tokens, lp["token_logprobs"], lp["top_logprobs"], strict=True
-            ):
-                entries = {_token_id(t): v for t, v in top.items()}
-                entries[token] = logprob
-                positions.append(sorted(entries.items()))
-            outputs.append((tokens, positions))
-        return outputs
-
-    def weight_version(self) -> str:
-        response = self.http.get("/weight_info")
-        response.raise_for_status()
-        return str(response.json()["weight_version"])
-
-
-def _token_id(token: str) -> int:
-    assert token.startswith("token_id:"), token
-    return int(token.removeprefix("token_id:"))
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dirs: TinyDirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(servers: Any) -> Server:
     require_backend(BACKEND)
-    log = tmp_path_factory.mktemp("http-server") / "server.log"
-    srv = Server(tiny_dirs[INITIAL_SEED], str(log))
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    return servers(BACKEND)[0]
 
 
 def test_http_sync_rounds_and_failures(
     server: Server, references: References, tmp_path: Any
 ) -> None:
-    assert server.generate() == references.outputs(INITIAL_SEED)
-    assert server.weight_version() == "default"
-
     http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
     client = VersionedClient(http)
     source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
@@ -227,7 +91,7 @@ KILLABLE_TRAINER = """
 import sys, time, torch
 from weight_transfer import HTTPVLLMWeightSyncClient, ParamMeta, WeightSource
 from weight_transfer import WeightTransferTrainerFactory
-from weight_transfer.control import SEAL_FIELD
+from weight_transfer.runtime.control import SEAL_FIELD
 
 url, backend, path, point = sys.argv[1:5]
 state = torch.load(path)
@@ -389,68 +253,6 @@ def test_http_a_trainer_killed_at_any_point_of_a_sync_never_leaves_the_server_pa
     server: Server, references: References, tmp_path: Any
 ) -> None:
     kill_trainers_at_every_point(server, references, BACKEND, tmp_path)
-
-
-class Traffic:
-    """A steady stream of streamed completions at the server from one thread.
-
-    Every request must return HTTP 200 and stream all `MAX_TOKENS` tokens
-    (finish reason "length", usage counted by the server); anything else is
-    recorded in `failures`. Bounded: it stops when told, after
-    `max_requests`, or after `max_s`.
-    """
-
-    def __init__(self, server: Server, max_requests: int = 2000, max_s: float = 240.0) -> None:
-        self.server = server
-        self.max_requests = max_requests
-        self.max_s = max_s
-        self.done = 0
-        self.failures: list[str] = []
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="completions", daemon=True)
-
-    def __enter__(self) -> Traffic:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop = True
-        self._thread.join(120)
-        assert not self._thread.is_alive(), "the completion stream did not stop"
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + self.max_s
-        with httpx.Client(base_url=self.server.url, timeout=120.0) as http:
-            while not self._stop and self.done < self.max_requests and time.monotonic() < deadline:
-                body = {
-                    "model": self.server.model_dir,
-                    "prompt": PROMPTS[self.done % len(PROMPTS)],
-                    "max_tokens": MAX_TOKENS,
-                    "temperature": 0.0,
-                    "ignore_eos": True,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
-                try:
-                    finish, usage = None, None
-                    with http.stream("POST", "/v1/completions", json=body) as response:
-                        if response.status_code != 200:
-                            response.read()
-                            self.failures.append(f"HTTP {response.status_code}: {response.text}")
-                            continue
-                        for line in response.iter_lines():
-                            if not line.startswith("data: {"):
-                                continue
-                            chunk = json.loads(line.removeprefix("data: "))
-                            for choice in chunk.get("choices") or []:
-                                finish = choice.get("finish_reason") or finish
-                            usage = chunk.get("usage") or usage
-                    tokens = (usage or {}).get("completion_tokens")
-                    if finish != "length" or tokens != MAX_TOKENS:
-                        self.failures.append(f"finished with {finish!r} after {tokens} tokens")
-                except httpx.HTTPError as e:
-                    self.failures.append(f"{type(e).__name__}: {e}")
-                self.done += 1
 
 
 def test_http_twenty_syncs_under_a_steady_stream_of_completions(
@@ -649,7 +451,7 @@ def test_http_random_control_sequences_keep_the_engine_servable(
     each, a completion succeeds and equals the reference of the last committed weights."""
     import random
 
-    from weight_transfer.wire import WIRE_PROTOCOL_VERSION
+    from weight_transfer.payload import WIRE_PROTOCOL_VERSION
 
     http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
     raw = HTTPVLLMWeightSyncClient(server.url, timeout=60.0)

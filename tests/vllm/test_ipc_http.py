@@ -9,7 +9,6 @@ import glob
 import os
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,7 +18,6 @@ from tests.vllm.conftest import (
     AlteredSource,
     References,
     SwitchSource,
-    TinyDirs,
     VersionedClient,
     connect,
     hf_model,
@@ -30,13 +28,8 @@ from weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightSyncRP
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")
 
-from tests.vllm.test_http import (
-    KILL_POINTS,
-    Server,
-    Traffic,
-    kill_trainers_at_every_point,
-    start_killable_trainer,
-)
+from tests.vllm.servers import Server, Traffic
+from tests.vllm.test_http import start_killable_trainer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -44,16 +37,10 @@ BACKEND = "ipc"
 
 
 @pytest.fixture(scope="module")
-def ipc_server(tiny_dirs: TinyDirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def ipc_server(servers: Any) -> Server:
     require_backend(BACKEND)
-    log = tmp_path_factory.mktemp("ipc-http-server") / "server.log"
-    srv = Server(tiny_dirs[INITIAL_SEED], str(log), backend=BACKEND)
-    try:
-        srv.wait_ready()
-        assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ
-        yield srv
-    finally:
-        srv.stop()
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ
+    return servers(BACKEND)[0]
 
 
 def test_http_ipc_rounds_a_failure_and_syncs_under_traffic(
@@ -102,13 +89,6 @@ def test_http_ipc_rounds_a_failure_and_syncs_under_traffic(
         http.close()
 
 
-def test_http_ipc_a_trainer_killed_at_any_point_of_a_sync_never_leaves_the_server_paused(
-    ipc_server: Server, references: References, tmp_path: Any
-) -> None:
-    points = tuple(p for p in KILL_POINTS if p != "fleet-held")  # one replica: no fleet
-    kill_trainers_at_every_point(ipc_server, references, BACKEND, tmp_path, points)
-
-
 def _engine_processes(pid: int) -> list[int]:
     """The vLLM engine processes (`VLLM::EngineCore`, `VLLM::Worker`) below `pid`."""
     found = []
@@ -137,37 +117,6 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-def test_a_restarted_server_is_readmitted_at_the_next_sync(
-    ipc_server: Server, references: References, tmp_path: Any
-) -> None:
-    """The server (front end and engine) is killed with SIGKILL and started again on its
-    port; the trainer, still running, attaches the new engine to a fresh staging at its
-    next sync (no `trainer_init`), which then serves tokens equal to a fresh engine's,
-    and nothing of wt's is left in /dev/shm."""
-    server = ipc_server
-    http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
-    client = VersionedClient(http)
-    source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
-    trainer = connect(BACKEND, client, source, str(tmp_path))
-    try:
-        source.inner = ModuleSource(hf_model(2))
-        client.version = "before-restart"
-        trainer.send_weights()
-        assert server.generate() == references.outputs(2)
-
-        server.restart()
-        assert server.generate() == references.outputs(INITIAL_SEED)  # a fresh engine
-        source.inner = ModuleSource(hf_model(3))
-        client.version = "after-restart"
-        trainer.send_weights()  # attaches the new engine, then syncs it
-        assert server.generate() == references.outputs(3)
-        assert server.weight_version() == "after-restart"
-        assert glob.glob(f"/dev/shm/wt-{os.getpid()}-*") == []
-    finally:
-        trainer.shutdown()
-        http.close()
 
 
 def test_sigterm_ends_a_worker_stuck_in_a_round_and_leaves_no_shared_memory(

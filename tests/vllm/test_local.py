@@ -23,7 +23,7 @@ from tests.vllm.conftest import (
     hf_model,
 )
 from weight_transfer import ModuleSource, WeightSyncRPCError
-from weight_transfer.control import SEAL_FIELD
+from weight_transfer.runtime.control import SEAL_FIELD
 
 pytest.importorskip("vllm")
 
@@ -190,7 +190,7 @@ def test_without_an_undo_copy_a_failed_round_keeps_generation_paused_until_one_l
     """`WT_VLLM_SNAPSHOT=none`: no undo copy, so a round that fails after loading
     leaves layers of the new weights; the engine says so, generation stays paused
     (nobody is served that model), and the next complete round serves again."""
-    from weight_transfer.control import Refusal, refused
+    from weight_transfer.runtime.control import Refusal, refused
     from weight_transfer.vllm.loader import SNAPSHOT_ENV
 
     engine = served("nccl")

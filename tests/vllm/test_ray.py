@@ -70,53 +70,9 @@ def ray_cluster() -> Iterator[Any]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def llm_actor(ray_cluster: Any, tiny_dirs: TinyDirs) -> Iterator[Any]:
-    require_backend(BACKEND)
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
-    actor_cls = ray_cluster.remote(num_cpus=1, runtime_env={"env_vars": ACTOR_ENV})(LLM)
-    actor = actor_cls.remote(
-        model=tiny_dirs[INITIAL_SEED],
-        weight_transfer_config=WeightTransferConfig(backend=f"wt_{BACKEND}"),
-        **LLM_KWARGS,
-    )
-    ray_cluster.get(actor.get_weight_version.remote(), timeout=180)
-    yield actor
-    ray_cluster.kill(actor)
-
-
 def generate(actor: Any) -> Outputs:
     refs = actor.generate.remote(PROMPTS, sampling_params(), use_tqdm=False)
     return outputs_of(ray.get(refs, timeout=120))
-
-
-def test_ray_actor_sync(llm_actor: Any, references: References, tmp_path: Any) -> None:
-    assert generate(llm_actor) == references.outputs(INITIAL_SEED)
-    client = VersionedClient(RayVLLMWeightSyncClient(llm_actor, timeout=120.0))
-    source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
-    trainer = connect(BACKEND, client, source, str(tmp_path))
-    try:
-        for round_, seed in enumerate((2, 3), start=1):
-            source.inner = ModuleSource(hf_model(seed))
-            client.version = f"ray-{round_}"
-            trainer.send_weights()
-            assert generate(llm_actor) == references.outputs(seed), f"round {round_}"
-            assert ray.get(llm_actor.get_weight_version.remote(), timeout=60) == f"ray-{round_}"
-
-        down = "model.layers.1.mlp.down_proj.weight"
-        bad = AlteredSource(hf_model(2), {down: (down, hf_model(2).lm_head.weight.detach())})
-        source.inner = bad
-        with pytest.raises(WeightSyncRPCError, match="down_proj"):
-            trainer.send_weights()
-        assert generate(llm_actor) == references.outputs(3)
-
-        source.inner = ModuleSource(hf_model(2))
-        trainer.send_weights()
-        assert generate(llm_actor) == references.outputs(2)
-    finally:
-        trainer.shutdown()
 
 
 def test_ray_actor_sync_over_ipc(

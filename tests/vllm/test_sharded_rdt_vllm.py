@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -171,37 +170,6 @@ def test_two_replicas_pull_over_nixl(replicas: list[Any], references: References
         trainer.send_weights()
         for r, actor in enumerate(replicas):
             assert generate(actor) == references.outputs(2), f"replica {r} after recovery"
-    finally:
-        trainer.shutdown()
-
-
-def test_a_restarted_replica_is_readmitted_at_the_next_sync(
-    cluster: Any,
-    tiny_dirs: TinyDirs,
-    replicas: list[Any],
-    references: References,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Replica 1's engine is killed and started again from the checkpoint it served,
-    as a new actor, while the trainer keeps running: the next `send_weights` finds it
-    without a transfer engine (its start is refused with `Refusal.NO_CONNECTION`), sends every
-    replica its handshake again (`reconnect`) and syncs both; a further sync works."""
-    source = SwitchSource(ModuleSource(hf_model(2)))
-    clients = clients_of(replicas)
-    trainer = nixl_trainer(clients, source, "wt-vllm-rdt-restart")
-    try:
-        trainer.send_weights()
-        cluster.kill(replicas[1])
-        (replicas[1],) = start_replicas(cluster, tiny_dirs, 1)
-        clients[1].inner.handles = [replicas[1]]
-        for seed in (3, 2):
-            source.inner = ModuleSource(hf_model(seed))
-            caplog.clear()
-            with caplog.at_level(logging.WARNING, logger="weight_transfer"):
-                trainer.send_weights()
-            assert ("re-admitting the workers" in caplog.text) == (seed == 3)
-            for r, actor in enumerate(replicas):
-                assert generate(actor) == references.outputs(seed), f"replica {r}, seed {seed}"
     finally:
         trainer.shutdown()
 

@@ -331,7 +331,7 @@ def test_a_held_round_reverts_inside_vllm(sparse_served: SparseServed) -> None:
     serves exactly what it served before, and its checkpoint mirror went back too (the
     next round matches a fresh engine). `wt_release` keeps the weights."""
     from weight_transfer import LocalVLLMWeightSyncClient
-    from weight_transfer.control import HOLD_FIELD, RELEASE_FIELD, REVERT_FIELD
+    from weight_transfer.runtime.control import HOLD_FIELD, RELEASE_FIELD, REVERT_FIELD
 
     s = sparse_served
     control = LocalVLLMWeightSyncClient(s.llm)

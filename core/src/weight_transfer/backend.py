@@ -3,10 +3,12 @@
 A backend is two engines: a trainer engine (its transmit step) and a worker
 engine (its receive step). Core owns the rest: the round on both sides, the
 transaction around the model, one trainer per engine, re-admission, the
-control protocol. Optional helpers (groups, bucketed streaming, colocated
-shared memory, slices) are kits: `weight_transfer.kits.*`. Smaller helpers a
-backend may also use live in their own contract modules (`limits`,
-`waiting`, `source`, `resync`, `control`).
+control protocol; `weight_transfer.runtime` keeps all of that and needs no
+reading to write a backend. The names below come from the seven contract
+modules (`base`, `source`, `rounds`, `resync`, `loading`, `payload`,
+`position`). Optional helpers (groups, bucketed streaming, colocated shared
+memory, slices) are kits: `weight_transfer.kits.*`; a few small runtime
+helpers may be used too (`runtime.waiting`, `runtime.limits`).
 
 Trainer side
     `TrainerWeightTransferEngine` (the spec's ABC; `open_round` drives a
@@ -39,15 +41,20 @@ from weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weight_transfer.dtypes import dtype_from_name, dtype_name
-from weight_transfer.limits import check_timeout
-from weight_transfer.loading import DirectLoader, Revertible, loader_for
-from weight_transfer.payload import parse_payload, payload_of
+from weight_transfer.loading import Revertible, loader_for
+from weight_transfer.payload import (
+    WireProtocolInfo,
+    dtype_from_name,
+    dtype_name,
+    parse_payload,
+    payload_of,
+)
 from weight_transfer.position import WorkerPosition
 from weight_transfer.resync import ParamListUpdateInfo, ResyncTrainerEngine, param_list_payload
 from weight_transfer.rounds import AlignedFailure, TrainerRound, Transfer
+from weight_transfer.runtime.direct_loader import DirectLoader
+from weight_transfer.runtime.limits import check_timeout
 from weight_transfer.source import ParamMeta, WeightSource, checked_iteration
-from weight_transfer.wire import WireProtocolInfo
 
 __all__ = [
     # trainer side

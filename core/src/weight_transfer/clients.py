@@ -44,7 +44,13 @@ from weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
-from weight_transfer.control import ABORT_FIELD, REVERT_FIELD, Refusal, control_round, refused
+from weight_transfer.runtime.control import (
+    ABORT_FIELD,
+    REVERT_FIELD,
+    Refusal,
+    control_round,
+    refused,
+)
 
 __all__ = [
     "WeightSyncRPCError",
@@ -181,14 +187,14 @@ class _PausingClient:
     ) -> None:
         """A round that carries one in-band control and loads nothing (the
         fleet's revert and release, `weight_transfer.fleet`): start, the
-        control, finish (`weight_transfer.control.control_round`). A refusal
+        control, finish (`weight_transfer.runtime.control.control_round`). A refusal
         with a code in `accept` is an answer too (that refusal closed the round).
 
         Generation is paused for a revert only (it changes the weights; the
         prefix cache is reset after it) and resumed after it (`paused`: it is
         paused already, by a `finish_weight_update(resume=False)`); a release
         touches nothing. `sign` signs each control as it is sent (the fleet
-        passes the trainer's key; see `weight_transfer.control`).
+        passes the trainer's key; see `weight_transfer.runtime.control`).
         """
         changes = REVERT_FIELD in payload
         if changes and self.pause is not None and not paused:

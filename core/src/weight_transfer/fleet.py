@@ -53,7 +53,7 @@ from weight_transfer.clients import (
     RayVLLMWeightSyncClient,
     WeightSyncRPCError,
 )
-from weight_transfer.control import (
+from weight_transfer.runtime.control import (
     HOLD_FIELD,
     RELEASE_FIELD,
     REVERT_FIELD,
@@ -65,8 +65,8 @@ from weight_transfer.control import (
     start_round,
     with_control_key,
 )
-from weight_transfer.rounds import DEFAULT_TIMEOUT_S
-from weight_transfer.waiting import PEER_GRACE_S, in_background
+from weight_transfer.runtime.round_client import DEFAULT_TIMEOUT_S
+from weight_transfer.runtime.waiting import PEER_GRACE_S, in_background
 
 __all__ = ["FanOutClient", "FleetError", "PHASES"]
 
@@ -496,7 +496,7 @@ def _control_round(
     paused: bool = False,
 ) -> None:
     """A round that carries one in-band control and loads nothing
-    (`weight_transfer.control.control_round`), through the replica's own
+    (`weight_transfer.runtime.control.control_round`), through the replica's own
     `control_round` where it has one (it pauses generation around a revert).
     `paused`: the replica's generation is paused already (the client resumes it)."""
     run = getattr(replica, "control_round", None)

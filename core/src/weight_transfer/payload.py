@@ -1,24 +1,49 @@
-"""Typed parsing of the JSON-safe dicts that cross the control plane.
+"""The payloads that cross the control plane: JSON-safe dicts, dtype names, the wire version.
 
-`parse_payload(cls, data, what)` builds dataclass `cls` from `data` and raises
-`ValueError` naming the field when a key is unknown, a required key is missing
-or a value has the wrong type. Supported field types: `int`, `float`, `str`,
-`bool`, `None`, `Any`, unions of these, `list[T]`, `tuple[T, ...]` (accepting
-lists) and `dict[str, T]`.
+- `parse_payload(cls, data, what)` builds dataclass `cls` from `data` and raises
+  `ValueError` naming the field when a key is unknown, a required key is
+  missing or a value has the wrong type (field types: `int`, `float`, `str`,
+  `bool`, `None`, `Any`, unions of these, `list[T]`, `tuple[T, ...]`
+  accepting lists, and `dict[str, T]`); `payload_of(info)` is the reverse.
+- The dtype codec: a wire name is the dtype's attribute name in torch
+  (`"bfloat16"`), decoded through an allowlist (`WIRE_DTYPES`), never by
+  looking a name up on the `torch` module.
+- The wire protocol: a backend whose two sides depend on core's bucket layout
+  or dtype codec mixes `WireProtocolInfo` into its worker init info; its
+  trainer then ships `wire_protocol` in the handshake and the worker refuses
+  a different version before parsing anything else
+  (`check_wire_protocol`). A backend that does not declare it parses its init
+  info as it is; a `wire_protocol` that arrives anyway is still checked, then
+  dropped. Bump `WIRE_PROTOCOL_VERSION` whenever a change in core alters what
+  crosses the wire (layout rules, codec, handshake fields).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import types
 import typing
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+import torch
 
 T = TypeVar("T")
 
-__all__ = ["parse_payload", "payload_of"]
+__all__ = [
+    "parse_payload",
+    "payload_of",
+    "WIRE_DTYPES",
+    "dtype_name",
+    "dtype_from_name",
+    "WIRE_PROTOCOL_VERSION",
+    "WireProtocolInfo",
+    "ProtocolMismatchError",
+    "check_wire_protocol",
+]
 
 
 def _type_name(tp: Any) -> str:
@@ -184,3 +209,102 @@ def payload_of(info: Any) -> dict[str, Any]:
     (fields with `init=False` are derived on the receiving side)."""
     wire = {f.name for f in dataclasses.fields(info) if f.init}
     return {k: v for k, v in dataclasses.asdict(info).items() if v is not None and k in wire}
+
+
+# -- dtypes ----------------------------------------------------------------------
+
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES: dict[torch.dtype, str] = {v: k for k, v in WIRE_DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of `dtype`; `ValueError` if it cannot travel."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"dtype {dtype} cannot travel; allowed: {', '.join(WIRE_DTYPES)}"
+        ) from None
+
+
+def dtype_from_name(name: str, *, field: str = "dtype") -> torch.dtype:
+    """The dtype for wire name `name`; `ValueError` naming `field` if unknown."""
+    try:
+        return WIRE_DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"field {field!r}: unknown dtype {name!r}; allowed: {', '.join(WIRE_DTYPES)}"
+        ) from None
+
+
+# -- the wire protocol -------------------------------------------------------------
+
+# 2: the authenticated store (`secret`), `verify`. 3: every store frame authenticated, the
+# two-lane digest, the nccl header (int64[8]) and sparse header (int64[34]), ipc seals and
+# LAYOUT frames, the trainer's control key in every init payload.
+WIRE_PROTOCOL_VERSION = 3
+
+
+@dataclass
+class WireProtocolInfo:
+    """Mixed into a worker init info: "this backend uses core's layout and codec"."""
+
+    wire_protocol: int = field(default=WIRE_PROTOCOL_VERSION, kw_only=True)
+
+
+class ProtocolMismatchError(ValueError):
+    """The trainer and the worker speak different wire protocols."""
+
+
+def _wheel_hint() -> str:
+    try:
+        version = importlib.metadata.version("wt-core")
+    except importlib.metadata.PackageNotFoundError:
+        version = "(not installed as a distribution)"
+    return (
+        f"this worker has wt-core {version}; install the same wt-core version "
+        "(and matching backend wheels) in the trainer and the inference environment"
+    )
+
+
+def check_wire_protocol(
+    payload: dict[str, Any], *, required: bool = True, what: str = "init_info"
+) -> dict[str, Any]:
+    """`payload` without a foreign `wire_protocol`, after checking it.
+
+    Raises `ProtocolMismatchError` naming both versions when `payload` carries
+    a different version, or when it carries none and `required` (the init info
+    declares `WireProtocolInfo`). With `required=False` the field is removed,
+    so an init info that does not declare it parses unchanged.
+    """
+    if not isinstance(payload, dict):
+        raise ValueError(f"{what}: expected an object, got {type(payload).__name__}")
+    got = payload.get("wire_protocol")
+    if got is None and required:
+        raise ProtocolMismatchError(
+            f"{what}: missing field 'wire_protocol'. This backend's worker uses wt-core's "
+            f"shared layout and codec (wire protocol {WIRE_PROTOCOL_VERSION}), so its trainer "
+            f"must send the version it speaks; the trainer's wt-core predates wire protocols "
+            f"or the trainer was written without them ({_wheel_hint()})"
+        )
+    if got is not None and got != WIRE_PROTOCOL_VERSION:
+        raise ProtocolMismatchError(
+            f"{what}: trainer speaks wire protocol {got!r}, this worker speaks "
+            f"{WIRE_PROTOCOL_VERSION} ({_wheel_hint()})"
+        )
+    if required:
+        return payload
+    return {k: v for k, v in payload.items() if k != "wire_protocol"}

@@ -41,9 +41,10 @@ from weight_transfer.base import (
     VLLMWeightSyncClient,
     WeightTransferUpdateInfo,
 )
-from weight_transfer.control import ChannelDownError
-from weight_transfer.dtypes import dtype_from_name, dtype_name
-from weight_transfer.rounds import DEFAULT_TIMEOUT_S, Transfer
+from weight_transfer.payload import dtype_from_name, dtype_name
+from weight_transfer.rounds import Transfer
+from weight_transfer.runtime.control import ChannelDownError
+from weight_transfer.runtime.round_client import DEFAULT_TIMEOUT_S
 from weight_transfer.source import ParamMeta, WeightSource, checked_iteration
 
 __all__ = [

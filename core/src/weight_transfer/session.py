@@ -23,7 +23,7 @@ from weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
-from weight_transfer.control import ControlRefused, Refusal
+from weight_transfer.runtime.control import ControlRefused, Refusal
 
 __all__ = ["WorkerSession"]
 

@@ -4,13 +4,20 @@ restarted workers, and restarting a worker process of a `WorkerPool` in its plac
 from __future__ import annotations
 
 import glob
-import multiprocessing as mp
 import os
 from collections.abc import Callable
 from typing import Any
 
-from tests.harness import FanoutClient, RecordingClient, WorkerPool, WorkerSpec, _serve, digest
-from weight_transfer.control import SEAL_FIELD, ControlKey
+from tests.harness import (
+    FanoutClient,
+    RecordingClient,
+    WorkerPool,
+    WorkerSpec,
+    _serve,
+    digest,
+    worker_context,
+)
+from weight_transfer.runtime.control import SEAL_FIELD, ControlKey
 
 Rewrite = Callable[[dict[str, Any]], Any]
 
@@ -96,9 +103,11 @@ class FreshClient:
 def start_worker(pool: WorkerPool, i: int, model_factory: str | None) -> Any:
     """A fresh `ipc` worker process for rank `i` of `pool`, put in the place of its worker
     `i` (the process there before is returned, alive or not; the pool stops the new one)."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     parent, child = ctx.Pipe()
-    spec = WorkerSpec("ipc", i, len(pool.processes), model_factory=model_factory)
+    spec = WorkerSpec(
+        "ipc", i, len(pool.processes), model_factory=model_factory, env=dict(os.environ)
+    )
     process = ctx.Process(target=_serve, args=(spec, child), daemon=True)
     process.start()
     if not parent.poll(120):

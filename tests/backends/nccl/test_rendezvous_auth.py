@@ -17,7 +17,7 @@ from tests.sources import DictSource, mixed_tensors
 from tests.stray import Stray
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
 from weight_transfer.kits.group import free_port
-from weight_transfer.wire import WIRE_PROTOCOL_VERSION
+from weight_transfer.payload import WIRE_PROTOCOL_VERSION
 from wt_nccl import NCCLTrainerInitInfo
 
 

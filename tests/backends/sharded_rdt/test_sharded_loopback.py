@@ -29,8 +29,8 @@ from tests.backends.sharded_rdt.models import (
 )
 from tests.sources import DictSource
 from weight_transfer import layerwise_groups
-from weight_transfer.control import ControlRefused, with_control_key
 from weight_transfer.kits.stream.digests import RECEIVE_HOOKS
+from weight_transfer.runtime.control import ControlRefused, with_control_key
 from wt_sharded_rdt.protocol import ShardedRDTUpdateInfo
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from weight_transfer import VLLMWeightSyncClient
-from weight_transfer.control import SEAL_FIELD, ControlKey
+from weight_transfer.runtime.control import SEAL_FIELD, ControlKey
 from wt_sparse_nccl import SparseWeightPatch
 
 MODEL_FACTORY = "tests.backends.sparse_nccl.models:make_model"

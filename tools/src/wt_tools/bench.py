@@ -25,7 +25,7 @@ starts vLLM on it in-process, and times, interleaved over `--repeats` rounds:
   more syncs, after which /dev/shm usage and this process's RSS are compared
   with their values after the first.
 
-Every wt row also reports where its time goes (`weight_transfer.phases`:
+Every wt row also reports where its time goes (`weight_transfer.runtime.phases`:
 check, pack, wire, unpack, undo record, load; seconds and share of the round) and
 its engine's undo record (`WT_VLLM_SNAPSHOT`, the default
 `host`): the seconds it took and the bytes it copied and kept alive by reference until
@@ -69,7 +69,7 @@ set_loopback_env()  # before anything imports Ray (vLLM does)
 
 import torch  # noqa: E402
 
-from weight_transfer.phases import PHASES, PhaseClock  # noqa: E402
+from weight_transfer.runtime.phases import PHASES, PhaseClock  # noqa: E402
 from wt_tools.local_ray import start_local_ray  # noqa: E402
 from wt_tools.tiny_model import TinyLlamaSpec, build_tiny_llama, tiny_llama  # noqa: E402
 
@@ -473,7 +473,8 @@ def _ipc_transport(spec: TinyLlamaSpec, repeats: int) -> dict[str, Any]:
         WorkerSession,
     )
     from weight_transfer.factory import WeightTransferTrainerFactory
-    from weight_transfer.loading import DirectLoader, register_loader_provider
+    from weight_transfer.loading import register_loader_provider
+    from weight_transfer.runtime.direct_loader import DirectLoader
     from wt_ipc import IPCTrainerInitInfo
 
     targets = [tiny_llama(spec, seed=s) for s in (1, 2)]

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Generic, Protocol, TypeVar
 
-from weight_transfer.control import ChannelDownError, Refusal
 from weight_transfer.rounds import AlignedFailure
+from weight_transfer.runtime.control import ChannelDownError, Refusal
 
 __all__ = ["GroupChannel", "ChannelDownError", "Link"]
 

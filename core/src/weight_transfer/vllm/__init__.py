@@ -5,10 +5,13 @@
   vLLM weight-transfer backend named `wt_<name>`, imported only when vLLM
   creates it. Select one with `WeightTransferConfig(backend="wt_nccl")` or
   `--weight-transfer-config '{"backend": "wt_nccl"}'`.
+  It also registers vLLM as wt-core's host (`host.VLLMHost`,
+  `weight_transfer.runtime.hosts`), which gives a worker engine's round its
+  loader and generation:
 - `weight_transfer.vllm.loader.VLLMLoader`: what `WeightTransferEngine.new_loader()`
   returns inside a vLLM worker (layerwise reload with an exact rollback).
-- `weight_transfer.vllm.serving`, `snapshot`, `moe`: pausing generation around
-  a round, the rollback snapshot, and fused-expert layouts.
+- `weight_transfer.vllm.serving`, `snapshot`, `moe`: generation seen from a
+  worker, the rollback snapshot, and fused-expert layouts.
 
 (The demo, the bench and the tiny checkpoint builder are applications:
 wt-tools, `wt_tools.demo`, `wt_tools.bench`, `wt_tools.tiny_model`.)
@@ -18,6 +21,16 @@ Importing this package imports nothing from vLLM.
 
 from __future__ import annotations
 
-__all__ = ["BACKEND_PREFIX"]
+import sys
+from typing import Any
+
+__all__ = ["BACKEND_PREFIX", "is_vllm_config"]
 
 BACKEND_PREFIX = "wt_"
+
+
+def is_vllm_config(vllm_config: Any) -> bool:
+    """Whether `vllm_config` is a `vllm.config.VllmConfig` (never imports vllm)."""
+    config_module = sys.modules.get("vllm.config")
+    vllm_config_cls = getattr(config_module, "VllmConfig", None)
+    return vllm_config_cls is not None and isinstance(vllm_config, vllm_config_cls)

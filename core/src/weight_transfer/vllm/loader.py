@@ -63,8 +63,8 @@ from typing import Any
 
 import torch
 
-from weight_transfer.phases import timed
-from weight_transfer.slices import DryRun, Scatter, parameter_targets, write_scatter
+from weight_transfer.runtime.phases import timed
+from weight_transfer.runtime.slices import DryRun, Scatter, parameter_targets, write_scatter
 from weight_transfer.vllm.moe import PrepackedExperts, prepacked_expert_layers
 from weight_transfer.vllm.snapshot import COPY_MODES, ModelSnapshot
 

@@ -12,9 +12,11 @@ Names vLLM already knows (its own backends, or an earlier call) are left
 alone, so calling `register()` again is harmless and picks up backends
 registered since.
 
-It also starts the process's generation service (`serving.serve_generation`),
-through which a worker in a process of its own reaches its engine core to
-resume generation after a round that lost its trainer.
+It also registers vLLM as wt-core's host in this process (`host.VLLMHost`: a
+worker engine's loader and generation) and starts the process's generation
+service (`serving.serve_generation`), through which a worker in a process of
+its own reaches its engine core to resume generation after a round that lost
+its trainer.
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ def register() -> list[str]:
         added.append(vllm_name)
     if added:
         logger.debug("wt backends registered in vLLM: %s", ", ".join(added))
+    from weight_transfer.runtime.hosts import register_host
+    from weight_transfer.vllm.host import VLLMHost
     from weight_transfer.vllm.serving import serve_generation
 
+    register_host(VLLMHost())
     serve_generation()
     return added

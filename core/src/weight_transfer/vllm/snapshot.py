@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from weight_transfer.phases import timed
+from weight_transfer.runtime.phases import timed
 
 __all__ = ["ModelSnapshot", "COPY_MODES", "UndoCost", "last_undo_cost"]
 

@@ -65,7 +65,7 @@ from weight_transfer.kits.stream import (
     plan_buckets,
     plan_per_tensor,
 )
-from weight_transfer.limits import check_int_range
+from weight_transfer.runtime.limits import check_int_range
 
 __all__ = [
     "IPCWorkerInitInfo",

@@ -49,7 +49,6 @@ from weight_transfer.backend import (
     param_list_payload,
     payload_of,
 )
-from weight_transfer.base import trainer_device
 from weight_transfer.kits.channel import GroupChannel
 from weight_transfer.kits.colocated import Credits, Frame, LinkClosed, LocalLink, LocalListener
 from weight_transfer.kits.stream import (
@@ -60,9 +59,10 @@ from weight_transfer.kits.stream import (
     SendWindow,
     WireParams,
 )
-from weight_transfer.limits import check_int_range
 from weight_transfer.resync import param_list_digests
-from weight_transfer.waiting import PEER_GRACE_S, in_background
+from weight_transfer.runtime.devices import trainer_device
+from weight_transfer.runtime.limits import check_int_range
+from weight_transfer.runtime.waiting import PEER_GRACE_S, in_background
 from wt_ipc.planes import TrainerStaging
 from wt_ipc.protocol import (
     ABORT,

@@ -43,7 +43,7 @@ from weight_transfer.kits.stream import (
     as_bytes,
 )
 from weight_transfer.resync import param_list_digests
-from weight_transfer.waiting import work_future
+from weight_transfer.runtime.waiting import work_future
 from wt_nccl.protocol import (
     HEADER_ABORT,
     HEADER_OK,

@@ -39,8 +39,8 @@ from weight_transfer.kits.stream import (
     RotatingBuffers,
     Unpacker,
 )
-from weight_transfer.limits import check_declared, host_memory_bytes
 from weight_transfer.resync import param_list_digests
+from weight_transfer.runtime.limits import check_declared, host_memory_bytes
 from wt_nccl.protocol import (
     HEADER_LEN,
     HEADER_OK,

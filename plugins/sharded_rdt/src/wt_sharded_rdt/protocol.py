@@ -62,7 +62,7 @@ from weight_transfer.kits.stream import (
     Piece,
     aligned_layout,
 )
-from weight_transfer.limits import check_int_range
+from weight_transfer.runtime.limits import check_int_range
 
 __all__ = [
     "TRANSPORTS",

@@ -44,11 +44,12 @@ from weight_transfer.backend import (
     payload_of,
 )
 from weight_transfer.kits.stream import aligned_layout
-from weight_transfer.limits import check_int_range
 from weight_transfer.resync import param_list_digests
-from weight_transfer.rounds import fleet_of
-from weight_transfer.source import first_non_finite, layerwise_groups
-from weight_transfer.waiting import PEER_GRACE_S, in_background, wait_for
+from weight_transfer.runtime.finite import first_non_finite
+from weight_transfer.runtime.limits import check_int_range
+from weight_transfer.runtime.round_client import fleet_of
+from weight_transfer.runtime.waiting import PEER_GRACE_S, in_background, wait_for
+from weight_transfer.source import layerwise_groups
 from wt_sharded_rdt.links import host_producer, producer_client, ray_location
 from wt_sharded_rdt.producer import ProducerError
 from wt_sharded_rdt.protocol import (

@@ -43,12 +43,12 @@ from weight_transfer.backend import (
     WeightSource,
     payload_of,
 )
-from weight_transfer.control import ChannelDownError
-from weight_transfer.hooks import SyncTracker
 from weight_transfer.kits.channel import GroupChannel
 from weight_transfer.kits.group import GroupTrainerFields, StatelessGroup, trainer_rendezvous
 from weight_transfer.kits.stream import BucketDigests
-from weight_transfer.waiting import all_settle, work_future
+from weight_transfer.runtime.control import ChannelDownError
+from weight_transfer.runtime.hooks import SyncTracker
+from weight_transfer.runtime.waiting import all_settle, work_future
 from wt_sparse_nccl.patch import SparseWeightPatch, check_patches
 from wt_sparse_nccl.wire import (
     BatchHeader,

@@ -71,8 +71,8 @@ from typing import Any
 import torch
 
 from weight_transfer.backend import Revertible, loader_for
-from weight_transfer.loading import is_vllm_config
 from weight_transfer.source import layer_key, layerwise_groups
+from weight_transfer.vllm import is_vllm_config
 from weight_transfer.vllm.loader import quiet_reload_warnings
 
 __all__ = ["CheckpointMirror", "MirrorPatcher", "vllm_patcher"]

@@ -40,7 +40,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from weight_transfer.waiting import TransferTimeout
+from weight_transfer.runtime.waiting import TransferTimeout
 
 __all__ = [
     "Frame",

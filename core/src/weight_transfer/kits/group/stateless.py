@@ -42,7 +42,7 @@ from weight_transfer.kits.group.store import (
     StoreServer,
     connect_store,
 )
-from weight_transfer.waiting import CollectiveError, TransferTimeout, wait_work
+from weight_transfer.runtime.waiting import CollectiveError, TransferTimeout, wait_work
 
 __all__ = ["StatelessGroup", "Hosting", "free_port", "LIVENESS_PERIOD_S"]
 

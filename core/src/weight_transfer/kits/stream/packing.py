@@ -32,14 +32,15 @@ from typing import Any
 
 import torch
 
-from weight_transfer.limits import MAX_BUFFERS, check_int_range, check_staging, host_memory_bytes
-from weight_transfer.phases import timed
-from weight_transfer.source import (
-    ParamMeta,
-    first_non_finite,
-    layerwise_groups,
-    non_finite_error,
+from weight_transfer.runtime.finite import first_non_finite, non_finite_error
+from weight_transfer.runtime.limits import (
+    MAX_BUFFERS,
+    check_int_range,
+    check_staging,
+    host_memory_bytes,
 )
+from weight_transfer.runtime.phases import timed
+from weight_transfer.source import ParamMeta, layerwise_groups
 
 __all__ = [
     "ALIGNMENT",

@@ -40,9 +40,9 @@ import torch
 
 from weight_transfer.kits.stream.digests import BucketDigests, DigestMismatch, run_receive_hooks
 from weight_transfer.kits.stream.packing import RotatingBuffers, Unpacker
-from weight_transfer.phases import timed
 from weight_transfer.rounds import AlignedFailure, Transfer
-from weight_transfer.waiting import all_settle
+from weight_transfer.runtime.phases import timed
+from weight_transfer.runtime.waiting import all_settle
 
 __all__ = ["SendWindow", "LoadPipeline", "LoadFailed"]
 

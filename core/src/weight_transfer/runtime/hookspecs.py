@@ -1,8 +1,8 @@
 """The hook specification of a sync (pluggy).
 
 Implement any subset of these on an object, mark each method with
-`weight_transfer.hookspecs.hookimpl`, and register the object with
-`weight_transfer.hooks.register_hooks` or advertise it in the entry-point
+`weight_transfer.runtime.hookspecs.hookimpl`, and register the object with
+`weight_transfer.runtime.hooks.register_hooks` or advertise it in the entry-point
 group `weight_transfer.hooks`. Calls pass keyword arguments; an
 implementation names the ones it wants. Hooks run on the sending trainer rank
 only, in the sync's own thread; they observe and must not block. Wrapper

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from weight_transfer.dtypes import dtype_from_name, dtype_name
+from weight_transfer.payload import dtype_from_name, dtype_name
 from weight_transfer.source import ParamMeta
 
 __all__ = [

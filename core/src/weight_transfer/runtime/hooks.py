@@ -1,6 +1,6 @@
 """Lifecycle hooks of a sync: the manager, the built-in implementation, the tracker.
 
-The specification is `weight_transfer.hookspecs`. Core's round
+The specification is `weight_transfer.runtime.hookspecs`. Core's round
 (`weight_transfer.rounds`) reports through a `SyncTracker` on the sending
 rank; `track_sync(...)` makes one for engines that drive a round themselves.
 Implementations come from `register_hooks(obj)` and from installed
@@ -21,7 +21,7 @@ from typing import Any
 
 import pluggy
 
-from weight_transfer.hookspecs import PROJECT, SyncHookSpecs, hookimpl, hookspec
+from weight_transfer.runtime.hookspecs import PROJECT, SyncHookSpecs, hookimpl, hookspec
 
 __all__ = [
     "hookspec",

@@ -1,0 +1,171 @@
+"""The caller's client as a trainer engine uses it: `RoundClient`.
+
+Every trainer engine sees its client through a `RoundClient`, so every
+backend's round gets, without writing it: the control key shipped in init and
+a MAC on every update and control (`weight_transfer.runtime.control`);
+`update_weights` in flight on a daemon thread while the backend transmits; a
+round left open on the workers aborted before the next start; a failed
+round's abort sent from a daemon thread (`abandon`); the seal before finish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from weight_transfer.runtime.control import (
+    SEAL_FIELD,
+    ControlKey,
+    abort_round,
+    finish_round,
+    start_round,
+    with_control_key,
+)
+from weight_transfer.runtime.waiting import await_transfer, in_background
+
+__all__ = [
+    "RoundClient",
+    "DEFAULT_TIMEOUT_S",
+    "UPDATE_CALL",
+    "new_trainer_id",
+    "Replicas",
+    "fleet_of",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+UPDATE_CALL = "the workers' update_weights"
+
+
+def new_trainer_id() -> str:
+    """A name for one trainer engine, unique across hosts and restarts: host, pid, nonce."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class RoundClient:
+    """The caller's `VLLMWeightSyncClient` as a trainer engine uses it.
+
+    Every payload it sends is signed with its `control` key, which its
+    `init_weight_transfer_engine` ships to the workers
+    (`weight_transfer.runtime.control`); `finish_weight_update` seals the round first.
+
+    `update_weights` starts the call on a daemon thread and returns, so the
+    backend can transmit while the workers receive; `pending` is that call.
+    The next `update_weights` or `finish_weight_update` first waits for it (at
+    most `timeout_s`) and raises its error. `start_weight_update` first lets a
+    call left over from a failed round end, bounded, ignoring its outcome (it
+    belonged to that round), and aborts a round the host still holds open
+    (`abort_round`) before starting its own. Other attributes are the caller's
+    client's.
+    """
+
+    def __init__(
+        self, client: Any, timeout_s: float = DEFAULT_TIMEOUT_S, *, trainer_id: str = ""
+    ) -> None:
+        self.inner = client
+        self.timeout_s = timeout_s
+        self.pending: Future[None] | None = None
+        self._leftover: Future[None] | None = None
+        self.control = ControlKey(trainer_id)
+        if hasattr(type(client), "bind_control"):  # a client sending controls of its own
+            client.bind_control(self.control)  # (a fleet) signs them with this key
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _let_leftover_end(self) -> None:
+        """Let what a failed round left on its own thread end (bounded), ignoring its
+        outcome: the caller's client never carries two calls at once."""
+        leftover, self._leftover = self._leftover, None
+        if leftover is not None:
+            with contextlib.suppress(Exception):
+                leftover.exception(timeout=self.timeout_s)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._let_leftover_end()
+        self.inner.init_weight_transfer_engine(with_control_key(init_info, self.control))
+
+    def start_weight_update(self) -> None:
+        """Start a round; one left open on the workers (a trainer that died
+        mid-round, an update refused before it reached them) is aborted first."""
+        self._let_leftover_end()
+        start_round(self.inner.start_weight_update, self.abort_round)
+
+    def abort_round(self, reason: str) -> None:
+        """End the round open on the workers, rolling it back (`ABORT_FIELD`)."""
+        abort_round(self.inner.update_weights, reason, self.control.sign)
+
+    def update_weights(self, update_info: Any) -> None:
+        self.wait_update()
+        signed = self.control.sign(update_info)
+        self.pending = in_background(
+            lambda: self.inner.update_weights(signed), name="wt-update-rpc"
+        )
+
+    def wait_update(self) -> None:
+        """Wait for the call in flight (at most `timeout_s`); raise its error."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            await_transfer(pending, watch={}, timeout_s=self.timeout_s, what=UPDATE_CALL)
+        except BaseException:
+            self._leftover = pending
+            raise
+
+    def abandon(self, reason: str | None) -> None:
+        """End a failed round without waiting on it (an error path); `reason`: why,
+        or None when the workers ended the round themselves (a failed finish).
+
+        On a daemon thread, the call in flight is let end (bounded), then every
+        worker is told to roll the round back (`abort_round`), so a worker whose
+        part succeeded returns to its previous weights at once instead of when
+        its watchdog sees the round stall. The next start waits for both
+        (bounded). A client that ends failed rounds itself (`round_failed`: a
+        fleet) is left to do so.
+        """
+        pending, self.pending = self.pending, None
+        if reason is None or callable(getattr(self.inner, "round_failed", None)):
+            self._leftover = pending
+            return
+
+        def end() -> None:
+            if pending is not None:
+                with contextlib.suppress(Exception):  # it belonged to the failed round
+                    pending.exception(timeout=self.timeout_s)
+            self.abort_round(reason)
+
+        self._leftover = in_background(end, name="wt-abort-rpc")
+
+    def round_failed(self, error: BaseException) -> None:
+        """Tell a client that ends rounds itself (`FanOutClient.round_failed`: every
+        replica back on its previous weights) that the trainer's round failed."""
+        ending = getattr(self.inner, "round_failed", None)
+        if callable(ending):
+            ending(error)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Seal the round (`SEAL_FIELD`: nothing more comes), then finish it."""
+        self.wait_update()
+        self.inner.update_weights(self.control.sign({SEAL_FIELD: True}))
+        finish_round(self.inner.finish_weight_update, weight_version)
+
+
+class Replicas(Protocol):
+    """A client of several engines, each with its own handshake (`FanOutClient`)."""
+
+    replicas: Sequence[Any]
+
+    def init_replicas(self, payloads: Sequence[dict[str, Any]]) -> None: ...
+
+
+def fleet_of(client: Any) -> Replicas | None:
+    """The replica set behind `client` (seen through `RoundClient` or not), if any."""
+    inner = client.inner if isinstance(client, RoundClient) else client
+    if callable(getattr(inner, "init_replicas", None)) and hasattr(inner, "replicas"):
+        return inner
+    return None

@@ -1,0 +1,29 @@
+"""vLLM as wt-core's host (`weight_transfer.runtime.hosts`), registered by the plugin."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from weight_transfer.vllm import is_vllm_config
+
+__all__ = ["VLLMHost"]
+
+
+class VLLMHost:
+    """Owns every `VllmConfig`: its loader is `VLLMLoader` (layerwise reload), its
+    generation the engine core running the calling worker (`serving.Generation`)."""
+
+    def owns(self, vllm_config: Any) -> bool:
+        return is_vllm_config(vllm_config)
+
+    def loader(self, model: torch.nn.Module, vllm_config: Any, model_config: Any) -> Any:
+        from weight_transfer.vllm.loader import VLLMLoader
+
+        return VLLMLoader(model, vllm_config, model_config)
+
+    def generation(self) -> Any:
+        from weight_transfer.vllm.serving import Generation
+
+        return Generation.of_caller()

@@ -1,0 +1,37 @@
+"""How the suite is split across `pytest -n 2 --dist loadgroup` (`nox -s tests`).
+
+Tests that share something expensive run in one worker process, each group as
+a unit: `vllm` (the in-process engines and the live HTTP servers that
+`tests/vllm` shares) and `ray` (the tests that start a local Ray cluster). Every
+other test goes to whichever worker is free. Without xdist the marks do nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+RAY = {
+    "tests/vllm/test_ray.py",
+    "tests/vllm/test_sharded_rdt_vllm.py",
+    "tests/backends/sharded_rdt/test_sharded_nixl.py",
+    "tests/gpu/test_sharded_rdt_gpu.py",
+}
+
+
+def _group(path: Path) -> str | None:
+    relative = path.relative_to(HERE.parent).as_posix()
+    if relative in RAY:
+        return "ray"
+    if relative.startswith("tests/vllm/"):
+        return "vllm"
+    return None
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Mark each item as it is collected, before xdist reads the marks into its groups."""
+    group = _group(item.path)
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -1,0 +1,250 @@
+"""Live vLLM API servers for the tests: `Server`, `Traffic`, `ServerPool`.
+
+`ServerPool` (the session fixture `servers` in `conftest.py`) starts servers
+per backend on first use and keeps them for the session, so the modules that
+need a live server of the same backend share it: `servers("nccl", 2)` is the
+fleet's two replicas, and `servers("nccl")[0]`, the first of them, is
+`test_http.py`'s server. A shared server serves whatever the last round sent
+it; a test syncs before it checks what a server serves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from tests.vllm.conftest import (
+    INITIAL_SEED,
+    LOGPROBS,
+    MAX_TOKENS,
+    PROMPTS,
+    Outputs,
+    TinyDirs,
+)
+from weight_transfer.kits.group.stateless import free_port
+
+__all__ = ["Server", "Traffic", "ServerPool", "READY_TIMEOUT_S"]
+
+READY_TIMEOUT_S = 240.0
+
+
+class Server:
+    """One `vllm serve`-style API server process (and the engine it starts) on 127.0.0.1."""
+
+    def __init__(
+        self, model_dir: str, log_path: str, backend: str = "nccl", port: int | None = None
+    ) -> None:
+        self.model_dir = model_dir
+        self.backend = backend
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._launch()
+
+    def _launch(self) -> None:
+        env = dict(os.environ)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs as deployed
+        # One OpenMP thread: on two cores, the spinning OpenMP threads of several processes
+        # starve each other (a tiny model's forward took 30+ s behind a busy neighbour).
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS="1")
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.launchers.api_server.entry",
+            "--model",
+            self.model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory-bytes",
+            str(32 << 20),
+            "--weight-transfer-config",
+            json.dumps({"backend": f"wt_{self.backend}"}),
+        ]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.http = httpx.Client(base_url=self.url, timeout=120.0)
+
+    def restart(self, *, wait: bool = True) -> None:
+        """SIGKILL the server (its process group: front end and engine), then start a
+        fresh one on its port, in place; `wait`: until it is ready."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        self.stop()
+        self._launch()
+        if wait:
+            self.wait_ready()
+
+    def log_tail(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read()[-4000:].decode(errors="replace")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM server exited ({self.proc.returncode}):\n{self.log_tail()}"
+                )
+            try:
+                if self.http.get("/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM server not ready in {READY_TIMEOUT_S:g}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the server and the engine it started
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+    def generate(self) -> Outputs:
+        body = {
+            "model": self.model_dir,
+            "prompt": PROMPTS,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "logprobs": LOGPROBS,
+            "ignore_eos": True,
+            "return_tokens_as_token_ids": True,
+        }
+        response = self.http.post("/v1/completions", json=body)
+        response.raise_for_status()
+        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+        outputs: Outputs = []
+        for choice in choices:
+            lp = choice["logprobs"]
+            tokens = [_token_id(t) for t in lp["tokens"]]
+            positions = []
+            for token, logprob, top in zip(
+                tokens, lp["token_logprobs"], lp["top_logprobs"], strict=True
+            ):
+                entries = {_token_id(t): v for t, v in top.items()}
+                entries[token] = logprob
+                positions.append(sorted(entries.items()))
+            outputs.append((tokens, positions))
+        return outputs
+
+    def weight_version(self) -> str:
+        response = self.http.get("/weight_info")
+        response.raise_for_status()
+        return str(response.json()["weight_version"])
+
+
+def _token_id(token: str) -> int:
+    assert token.startswith("token_id:"), token
+    return int(token.removeprefix("token_id:"))
+
+
+class Traffic:
+    """A steady stream of streamed completions at the server from one thread.
+
+    Every request must return HTTP 200 and stream all `MAX_TOKENS` tokens
+    (finish reason "length", usage counted by the server); anything else is
+    recorded in `failures`. Bounded: it stops when told, after
+    `max_requests`, or after `max_s`.
+    """
+
+    def __init__(self, server: Server, max_requests: int = 2000, max_s: float = 240.0) -> None:
+        self.server = server
+        self.max_requests = max_requests
+        self.max_s = max_s
+        self.done = 0
+        self.failures: list[str] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="completions", daemon=True)
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join(120)
+        assert not self._thread.is_alive(), "the completion stream did not stop"
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.max_s
+        with httpx.Client(base_url=self.server.url, timeout=120.0) as http:
+            while not self._stop and self.done < self.max_requests and time.monotonic() < deadline:
+                body = {
+                    "model": self.server.model_dir,
+                    "prompt": PROMPTS[self.done % len(PROMPTS)],
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                try:
+                    finish, usage = None, None
+                    with http.stream("POST", "/v1/completions", json=body) as response:
+                        if response.status_code != 200:
+                            response.read()
+                            self.failures.append(f"HTTP {response.status_code}: {response.text}")
+                            continue
+                        for line in response.iter_lines():
+                            if not line.startswith("data: {"):
+                                continue
+                            chunk = json.loads(line.removeprefix("data: "))
+                            for choice in chunk.get("choices") or []:
+                                finish = choice.get("finish_reason") or finish
+                            usage = chunk.get("usage") or usage
+                    tokens = (usage or {}).get("completion_tokens")
+                    if finish != "length" or tokens != MAX_TOKENS:
+                        self.failures.append(f"finished with {finish!r} after {tokens} tokens")
+                except httpx.HTTPError as e:
+                    self.failures.append(f"{type(e).__name__}: {e}")
+                self.done += 1
+
+
+class ServerPool:
+    """Servers by backend, started on first use, kept until `stop`."""
+
+    def __init__(self, dirs: TinyDirs, logs: str) -> None:
+        self.dirs = dirs
+        self.logs = logs
+        self._servers: dict[str, list[Server]] = {}
+
+    def __call__(self, backend: str, n: int = 1) -> list[Server]:
+        """The first `n` servers of `backend`, ready (the missing ones start together)."""
+        have = self._servers.setdefault(backend, [])
+        new = [
+            Server(
+                self.dirs[INITIAL_SEED],
+                os.path.join(self.logs, f"{backend}-{i}.log"),
+                backend=backend,
+            )
+            for i in range(len(have), n)
+        ]
+        have += new
+        for server in new:
+            server.wait_ready()
+        return have[:n]
+
+    def stop(self) -> None:
+        for servers in self._servers.values():
+            for server in servers:
+                server.stop()
