@@ -10,6 +10,8 @@ from weight_transfer.testing.plugin import parametrize_profiles
 FIRST_PARTY = [
     "wt_nccl.conformance:PROFILE",
     "wt_ipc.conformance:PROFILE",
+    "wt_sparse_nccl.conformance:PROFILE",
+    "wt_sharded_rdt.conformance:PROFILE",
     "wt_example.conformance:PROFILE",
 ]
 

@@ -234,6 +234,36 @@ def test_http_timeout_raises_rpc_error(server: Server) -> None:
     client.update_weights({"names": []})  # the longer update timeout applies to update_weights
 
 
+def test_http_calls_from_several_threads_survive_each_others_reconnects(server: Server) -> None:
+    """An error answer makes the client drop its connections (a new `httpx.Client`);
+    a call of another thread that meets the old client before sending is sent again
+    on the new one, never failing with the old client's 'closed' error."""
+    server.answers["/start_weight_update"] = (500, b'{"detail": "refused"}')
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=10)
+    unexpected: list[str] = []
+
+    def calls(route: str) -> None:
+        for _ in range(40):
+            try:
+                client._request("POST", route)
+            except WeightSyncRPCError as e:
+                if not (route == "/start_weight_update" and e.status == 500):
+                    unexpected.append(f"{route}: {e}")
+            except Exception as e:
+                unexpected.append(f"{route}: {type(e).__name__}: {e}")
+
+    threads = [
+        threading.Thread(target=calls, args=(route,))
+        for route in ["/start_weight_update", "/update_weights"] * 3
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert unexpected == []
+    assert sum(1 for _, path, _ in server.seen if path == "/update_weights") == 120
+
+
 def test_http_unreachable_server_raises_rpc_error() -> None:
     from tests.core.helpers import free_port
 

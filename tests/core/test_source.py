@@ -80,14 +80,14 @@ def test_iter_groups_raises_naming_the_first_out_of_order_name() -> None:
     src = ListSource(METAS, pairs)
     it = src.iter_groups()
     assert next(it)[0] == ["model.embed.weight"]
-    with pytest.raises(RuntimeError, match=r"'model\.layers\.1\.a' arrived") as err:
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.a' arrived") as err:
         next(it)
     assert "'model.layers.0.a'" in str(err.value)
 
 
 def test_iter_groups_raises_when_iteration_ends_early() -> None:
     pairs = [(m.name, torch.zeros(m.shape, dtype=m.dtype)) for m in METAS[:-1]]
-    with pytest.raises(RuntimeError, match=r"ended before 'lm_head\.weight'"):
+    with pytest.raises(ValueError, match=r"ended before 'lm_head\.weight'"):
         list(ListSource(METAS, pairs).iter_groups())
 
 

@@ -1,4 +1,5 @@
-"""Bounded waits beside a transfer: `await_transfer`, `wait_for`, `in_background`."""
+"""Bounded waits beside a transfer: `await_transfer`, `wait_for`, `in_background`,
+and the fan-out waits `settle` and `first_failure`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 from weight_transfer.runtime.waiting import (
     TransferTimeout,
     await_transfer,
+    first_failure,
     in_background,
+    settle,
     wait_for,
 )
 
@@ -66,6 +69,33 @@ def test_wait_for_results_first_failure_and_timeout() -> None:
     assert time.monotonic() - t0 < 5
     with pytest.raises(TransferTimeout, match=r"timed out after 0.1s waiting for the rendezvous$"):
         wait_for({"init": _done(), "the rendezvous": never}, 0.1)
+
+
+def test_settle_waits_for_every_call_and_returns_each_failure_in_order() -> None:
+    late: Future[object] = Future()
+    threading.Timer(0.1, lambda: late.set_exception(KeyError("late"))).start()
+    never: Future[object] = Future()
+    calls = {2: _failed(ValueError("two")), 0: late, 1: _done(1), 3: never}
+    t0 = time.monotonic()
+    failures = settle(calls, timeout_s=1.0)
+    assert 1.0 <= time.monotonic() - t0 < 5  # it waited for the call that never ends
+    assert list(failures) == [2, 0, 3]
+    assert isinstance(failures[0], KeyError) and isinstance(failures[2], ValueError)
+    assert isinstance(failures[3], TimeoutError) and "1s" in str(failures[3])
+    assert settle({0: _done(), 1: _done()}, timeout_s=1.0) == {}
+
+
+def test_first_failure_returns_at_the_first_failure_or_names_a_call_still_running() -> None:
+    never: Future[object] = Future()
+    late: Future[object] = Future()
+    threading.Timer(0.1, lambda: late.set_exception(ValueError("refused"))).start()
+    t0 = time.monotonic()
+    key, error = first_failure({0: never, 1: late, 2: _done()}, timeout_s=30) or (None, None)
+    assert time.monotonic() - t0 < 5  # at once, not after the bound
+    assert key == 1 and isinstance(error, ValueError)
+    key, error = first_failure({0: _done(), 1: never}, timeout_s=0.2) or (None, None)
+    assert key == 1 and isinstance(error, TimeoutError)
+    assert first_failure({0: _done(), 1: _done()}, timeout_s=1.0) is None
 
 
 def test_in_background_runs_on_a_named_daemon_thread() -> None:

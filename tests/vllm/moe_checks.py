@@ -26,7 +26,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import torch
 
 SEEDS = (1, 2)
-SYNCED = [("nccl", 64), ("nccl", 48), ("ipc", 48)]  # 64: same shapes; 48: the kernel pads
+SYNCED = [("nccl", 64), ("nccl", 48)]  # 64: same shapes; 48: the kernel pads
 
 
 def _state(llm: Any) -> dict[str, torch.Tensor]:

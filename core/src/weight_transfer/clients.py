@@ -35,8 +35,10 @@ computed with the old weights, and a request sharing a prefix would reuse them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from weight_transfer.base import (
@@ -273,6 +275,8 @@ class HTTPVLLMWeightSyncClient(_PausingClient):
         self.timeout = timeout
         self.update_timeout = update_timeout if update_timeout is not None else timeout
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self._swap = threading.Lock()  # guards `_http` and `_users`
+        self._users: dict[Any, int] = {}  # requests in flight per client
 
     def _request(
         self, method: str, route: str, body: Any = None, *, timeout: float | None = None
@@ -284,35 +288,59 @@ class HTTPVLLMWeightSyncClient(_PausingClient):
         name = path.lstrip("/")
         attempts = 2
         for attempt in range(attempts):
-            try:
-                response = self._http.request(
-                    method,
-                    route,
-                    json=body,
-                    timeout=timeout if timeout is not None else self.timeout,
-                )
-            except httpx.HTTPError as e:
-                self._reconnect()
-                retry = isinstance(e, httpx.ConnectError) or (
-                    path in IDEMPOTENT_ROUTES
-                    and isinstance(e, httpx.TransportError)
-                    and not isinstance(e, httpx.TimeoutException)
-                )
-                if retry and attempt + 1 < attempts:
-                    continue
-                raise WeightSyncRPCError(name, f"{type(e).__name__}: {e}") from e
-            if not response.is_success:
-                self._reconnect()  # servers close the connection after an error
-                raise WeightSyncRPCError(name, _error_detail(response), status=response.status_code)
-            return response.json() if response.content else None
+            with self._using() as http:
+                try:
+                    response = http.request(
+                        method,
+                        route,
+                        json=body,
+                        timeout=timeout if timeout is not None else self.timeout,
+                    )
+                except httpx.HTTPError as e:
+                    self._reconnect(http)
+                    retry = isinstance(e, httpx.ConnectError) or (
+                        path in IDEMPOTENT_ROUTES
+                        and isinstance(e, httpx.TransportError)
+                        and not isinstance(e, httpx.TimeoutException)
+                    )
+                    if retry and attempt + 1 < attempts:
+                        continue
+                    raise WeightSyncRPCError(name, f"{type(e).__name__}: {e}") from e
+                if not response.is_success:
+                    self._reconnect(http)  # servers close the connection after an error
+                    detail = _error_detail(response)
+                    raise WeightSyncRPCError(name, detail, status=response.status_code)
+                return response.json() if response.content else None
         raise AssertionError("unreachable")
 
-    def _reconnect(self) -> None:
-        """Drop pooled connections; the next request opens a fresh one."""
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[Any]:
+        """The current `httpx.Client`, counted as in use until the block ends; one that
+        `_reconnect` replaced is closed when its last user is done, never under a
+        request of another thread."""
+        with self._swap:
+            http = self._http
+            self._users[http] = self._users.get(http, 0) + 1
+        try:
+            yield http
+        finally:
+            with self._swap:
+                self._users[http] -= 1
+                retired = self._users[http] == 0 and http is not self._http
+                if self._users[http] == 0:
+                    del self._users[http]
+            if retired:
+                http.close()
+
+    def _reconnect(self, failed: Any) -> None:
+        """Replace `failed` (the client a request of this thread failed on, whose
+        connection the server may have closed) by a fresh one, unless another call
+        did already; `_using` closes `failed` once nobody uses it."""
         import httpx
 
-        self._http.close()
-        self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout)
+        with self._swap:
+            if self._http is failed:
+                self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout)
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self._request("POST", f"/{method}")

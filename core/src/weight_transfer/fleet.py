@@ -44,7 +44,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from weight_transfer.base import UpdatePayload
@@ -66,7 +66,7 @@ from weight_transfer.runtime.control import (
     with_control_key,
 )
 from weight_transfer.runtime.round_client import DEFAULT_TIMEOUT_S
-from weight_transfer.runtime.waiting import PEER_GRACE_S, in_background
+from weight_transfer.runtime.waiting import PEER_GRACE_S, first_failure, in_background, settle
 
 __all__ = ["FanOutClient", "FleetError", "PHASES"]
 
@@ -180,41 +180,22 @@ class FanOutClient:
         calls = {i: functools.partial(call, i, self.replicas[i]) for i in which}
         return {i: in_background(c, name=f"wt-fleet-{what}-{i}") for i, c in calls.items()}
 
-    def _settle(self, futures: dict[int, Future[T]]) -> None:
-        """Wait for every call, bounded; a call still running then counts as failed."""
-        wait(list(futures.values()), timeout=self.timeout_s)
+    def _settle(self, futures: dict[int, Future[Any]]) -> dict[int, BaseException]:
+        """Wait for every call (bounded); the failures by replica, in replica order."""
+        return settle(futures, self.timeout_s)
 
-    def _outcome(self, future: Future[Any]) -> BaseException | None:
-        if not future.done():
-            return TimeoutError(f"no answer within {self.timeout_s:g}s")
-        return future.exception()
-
-    def _first_failure(self, futures: dict[int, Future[Any]]) -> tuple[int, BaseException] | None:
-        for i, future in futures.items():
-            error = self._outcome(future)
-            if error is not None:
-                return i, error
-        return None
+    def _first(self, futures: dict[int, Future[Any]]) -> tuple[int, BaseException] | None:
+        """Wait for every call (bounded); the failure of the first replica that failed."""
+        return next(iter(self._settle(futures).items()), None)
 
     def _each(self, what: str, call: Callable[[int, Any], T]) -> list[T]:
         """Run `call` on every replica; raise the first failure once all are done."""
         futures = self._fan(what, call, self.indexes)
-        self._settle(futures)
-        failed = self._first_failure(futures)
+        failed = self._first(futures)
         if failed is not None:
             i, error = failed
             raise WeightSyncRPCError(what, f"replica {i} ({self.names[i]}): {error}") from error
         return [futures[i].result() for i in self.indexes]
-
-    def _fail_fast(self, futures: dict[int, Future[Any]]) -> tuple[int, BaseException] | None:
-        """Wait until every call is done or one failed (bounded); the first failure,
-        where a call still running at the bound counts as one."""
-        wait(list(futures.values()), timeout=self.timeout_s, return_when=FIRST_EXCEPTION)
-        failed = self._first_failure({i: f for i, f in futures.items() if f.done()})
-        if failed is None and not all(f.done() for f in futures.values()):
-            running = next(i for i, f in futures.items() if not f.done())
-            failed = running, TimeoutError(f"no answer within {self.timeout_s:g}s")
-        return failed
 
     @property
     def indexes(self) -> list[int]:
@@ -234,7 +215,7 @@ class FanOutClient:
         futures = self._fan(
             "init", lambda i, r: r.init_weight_transfer_engine(keyed[i]), self.indexes
         )
-        failed = self._fail_fast(futures)
+        failed = first_failure(futures, self.timeout_s)
         if failed is not None:
             i, error = failed
             raise FleetError("init", i, self.names[i], error, []) from error
@@ -253,22 +234,19 @@ class FanOutClient:
             self._each("start_weight_update", lambda i, r: _start(r, self._sign))
             return
         labels = self._fan("weight_version", lambda i, r: _weight_version(r), self.indexes)
-        self._settle(labels)
-        failed = self._first_failure(labels)
+        failed = self._first(labels)
         if failed is not None:  # nothing has started anywhere
             self._fail("start", *failed, unrecovered=[])
         self._previous = [labels[i].result() for i in self.indexes]
         starts = self._fan("start", lambda i, r: _start(r, self._sign), self.indexes)
-        self._settle(starts)
+        failed = self._first(starts)
         with self._lock:
             self._open = set(self.indexes)  # a start whose answer was lost may have opened one
-        failed = self._first_failure(starts)
         if failed is None:
             holds = self._fan(
                 "hold", lambda i, r: r.update_weights(self._sign({HOLD_FIELD: True})), self.indexes
             )
-            self._settle(holds)
-            failed = self._first_failure(holds)
+            failed = self._first(holds)
         if failed is not None:
             # Nothing was loaded yet: a replica that cannot be aborted now serves
             # its previous weights, and its engine rolls the empty round back.
@@ -288,7 +266,7 @@ class FanOutClient:
             self._each("update_weights", lambda i, r: r.update_weights(update_info))
             return
         calls = self._fan("update", lambda i, r: r.update_weights(update_info), self._in_round())
-        failed = self._fail_fast(calls)
+        failed = first_failure(calls, self.timeout_s)
         if failed is None:
             return
         aborting = self._take_open()
@@ -311,13 +289,12 @@ class FanOutClient:
         self._wait_settled()
         which = self._in_round()
         finishes = self._fan("finish", lambda i, r: _finish(r, weight_version), which)
-        self._settle(finishes)
+        failures = self._settle(finishes)
         self._take_open()
-        finished = {i for i, f in finishes.items() if self._outcome(f) is None}
-        failed = self._first_failure(finishes)
+        finished = set(which) - set(failures)
+        failed = next(iter(failures.items()), None)
         if failed is None:
             resumes = self._fan("resume", lambda i, r: _resume(r), sorted(finished))
-            self._settle(resumes)
             for failure in self._failures("resume", resumes):
                 logger.warning("%s (resume_generation() resumes it)", failure)
             self._release(finished)
@@ -380,22 +357,18 @@ class FanOutClient:
         (`_confirm_rolled_back`). Without, every failed abort is listed.
         """
         aborts = self._fan("abort", lambda i, r: _abort(r, reason, self._sign), which)
-        self._settle(aborts)
-        failed = [i for i, future in aborts.items() if self._outcome(future) is not None]
+        failed = self._settle(aborts)
         if not confirm:
-            return self._failures("abort", {i: aborts[i] for i in failed})
+            return self._describe("abort", failed)
         if not failed:
             return []
         round_ = self._round
         confirms = self._fan(
-            "confirm", lambda i, r: self._confirm_rolled_back(i, r, reason, round_), failed
+            "confirm", lambda i, r: self._confirm_rolled_back(i, r, reason, round_), list(failed)
         )
-        self._settle(confirms)
         return [
-            f"abort of replica {i} ({self.names[i]}) failed: {self._outcome(aborts[i])}; "
-            f"then {self._outcome(confirms[i])}"
-            for i in failed
-            if self._outcome(confirms[i]) is not None
+            f"abort of replica {i} ({self.names[i]}) failed: {failed[i]}; then {error}"
+            for i, error in self._settle(confirms).items()
         ]
 
     def _confirm_rolled_back(self, i: int, replica: Any, reason: str, round_: int) -> None:
@@ -430,7 +403,6 @@ class FanOutClient:
             _set_weight_version(replica, self._previous[i])
 
         reverts = self._fan("revert", revert, sorted(which))
-        self._settle(reverts)
         return self._failures("revert", reverts)
 
     def _release(self, which: set[int]) -> None:
@@ -438,17 +410,15 @@ class FanOutClient:
         releases = self._fan(
             "release", lambda i, r: _control_round(r, payload, self._sign), sorted(which)
         )
-        self._settle(releases)
         for failure in self._failures("release", releases):
             logger.warning("%s (it keeps its undo record until its next round loads)", failure)
 
     def _failures(self, what: str, futures: dict[int, Future[Any]]) -> list[str]:
-        failures = []
-        for i, future in futures.items():
-            error = self._outcome(future)
-            if error is not None:
-                failures.append(f"{what} of replica {i} ({self.names[i]}) failed: {error}")
-        return failures
+        """Wait for every call (bounded); each failure, naming its replica."""
+        return self._describe(what, self._settle(futures))
+
+    def _describe(self, what: str, failures: dict[int, BaseException]) -> list[str]:
+        return [f"{what} of replica {i} ({self.names[i]}) failed: {e}" for i, e in failures.items()]
 
     # -- beyond the round ----------------------------------------------------
     def resume_generation(self) -> None:

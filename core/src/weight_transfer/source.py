@@ -146,9 +146,9 @@ class WeightSource(ABC):
         """One `(names, tensors)` batch per group of `groups()`.
 
         The default drives `__iter__` and batches its output. Names of groups this
-        rank skips are consumed and dropped. Raises `RuntimeError` naming the
-        first name that arrives out of metadata order, since out-of-order
-        materialization deadlocks peers.
+        rank skips are consumed and dropped. Raises `ValueError` naming the
+        first name that arrives out of metadata order (as `checked_iteration`
+        does), since out-of-order materialization deadlocks peers.
         """
         wanted = self.groups()
         group_of: dict[str, int] = {}
@@ -162,7 +162,7 @@ class WeightSource(ABC):
         for name, tensor in self:
             want = next(expected, None)
             if name != want:
-                raise RuntimeError(
+                raise ValueError(
                     f"iter_groups: {name!r} arrived where metadata order expects "
                     f"{want!r}; iteration must follow metadata() exactly"
                 )
@@ -177,7 +177,7 @@ class WeightSource(ABC):
         leftover = next(expected, None)
         if leftover is not None or batch_names:
             missing = leftover if leftover is not None else wanted[gi_next][len(batch_names)]
-            raise RuntimeError(
+            raise ValueError(
                 f"iter_groups: iteration ended before {missing!r}; it must yield "
                 "every name of metadata()"
             )

@@ -96,7 +96,9 @@ class RoundClient:
         start_round(self.inner.start_weight_update, self.abort_round)
 
     def abort_round(self, reason: str) -> None:
-        """End the round open on the workers, rolling it back (`ABORT_FIELD`)."""
+        """End the round open on the workers, rolling it back (`ABORT_FIELD`); what a
+        failed round left in flight ends first (bounded), as before every call."""
+        self._let_leftover_end()
         abort_round(self.inner.update_weights, reason, self.control.sign)
 
     def update_weights(self, update_info: Any) -> None:
@@ -137,7 +139,7 @@ class RoundClient:
             if pending is not None:
                 with contextlib.suppress(Exception):  # it belonged to the failed round
                     pending.exception(timeout=self.timeout_s)
-            self.abort_round(reason)
+            abort_round(self.inner.update_weights, reason, self.control.sign)
 
         self._leftover = in_background(end, name="wt-abort-rpc")
 

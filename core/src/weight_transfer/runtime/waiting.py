@@ -6,7 +6,10 @@ fails, a worker still blocked in the matching RPC cannot hold the trainer (or
 the interpreter's exit) hostage.
 
 `wait_for(futures, timeout_s)` waits until all are done and raises the first
-failure at once, labelled with its name.
+failure at once, labelled with its name. For calls fanned out to several
+peers (a fleet's replicas), `settle` waits for all of them and returns every
+failure, and `first_failure` returns as soon as one fails; both count a call
+still running at the bound as failed.
 
 Collectives are watched by polling (`work_future`, `wait_work`), never through
 a callback on the library's own future or a blocking wait on a helper thread:
@@ -35,6 +38,8 @@ __all__ = [
     "CollectiveError",
     "PEER_GRACE_S",
     "all_settle",
+    "settle",
+    "first_failure",
 ]
 
 # How long an in-flight collective may still take after a peer has answered: a
@@ -43,6 +48,7 @@ __all__ = [
 PEER_GRACE_S = 2.0
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 class TransferTimeout(TimeoutError):
@@ -223,3 +229,33 @@ def all_settle(futures: Iterable[Future[Any]], within_s: float = PEER_GRACE_S) -
         except BaseException:
             return False
     return True
+
+
+def _failure(future: Future[Any], timeout_s: float) -> BaseException | None:
+    if not future.done():
+        return TimeoutError(f"no answer within {timeout_s:g}s")
+    return future.exception()
+
+
+def settle(futures: Mapping[K, Future[Any]], timeout_s: float) -> dict[K, BaseException]:
+    """Wait for every call, at most `timeout_s`; the failures by key, in `futures`'
+    order (a call still running then fails with `TimeoutError`)."""
+    wait(list(futures.values()), timeout=timeout_s)
+    failures = {key: _failure(future, timeout_s) for key, future in futures.items()}
+    return {key: error for key, error in failures.items() if error is not None}
+
+
+def first_failure(
+    futures: Mapping[K, Future[Any]], timeout_s: float
+) -> tuple[K, BaseException] | None:
+    """Wait until every call succeeded (None) or one failed (at most `timeout_s`): the
+    first failure in `futures`' order among the calls done, else a call still running."""
+    wait(list(futures.values()), timeout=timeout_s, return_when=FIRST_EXCEPTION)
+    for key, future in futures.items():
+        error = future.exception() if future.done() else None
+        if error is not None:
+            return key, error
+    running = next((key for key, future in futures.items() if not future.done()), None)
+    if running is None:
+        return None
+    return running, TimeoutError(f"no answer within {timeout_s:g}s")

@@ -34,7 +34,7 @@ from weight_transfer.testing.models import (
     TensorSource,
     conformance_weights,
 )
-from weight_transfer.testing.profile import Profile
+from weight_transfer.testing.profile import Profile, Sender
 from weight_transfer.testing.workers import WorkerPool, digest
 
 WORKERS = 2
@@ -72,6 +72,24 @@ def assert_holds(
             time.sleep(0.1)
 
 
+class SentBy:
+    """The trainer engine of a backend that takes no `WeightSource`, driven as one
+    that does: `send_weights()` is the profile's round (`Profile.send`) for the
+    current tensors of `source`. Every other attribute is the engine's."""
+
+    def __init__(self, engine: Any, send: Sender) -> None:
+        self.engine = engine
+        self.send = send
+        self.source: TensorSource | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def send_weights(self) -> None:
+        assert self.source is not None
+        self.send(self.engine, dict(self.source.tensors))
+
+
 class Trainers:
     """Trainer engines of one test, all shut down at its end."""
 
@@ -99,7 +117,13 @@ class Trainers:
             workdir=workdir.name,
         )
         client = self.pool.client(timeout_s=timeout_s + 10)
-        engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+        send = self.profile.send
+        engine: Any
+        if send is None:
+            engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+        else:
+            engine = SentBy(WeightTransferTrainerFactory.trainer_init(info, client=client), send)
+            engine.source = source
         self.engines.append(engine)
         return engine
 
@@ -114,7 +138,11 @@ class Trainers:
 @pytest.fixture(scope="module")
 def wt_pool(wt_profile: Profile) -> Iterator[WorkerPool]:
     with WorkerPool(
-        wt_profile.backend, WORKERS, model_factory=MODEL, sys_path=list(wt_profile.sys_path)
+        wt_profile.backend,
+        WORKERS,
+        model_factory=MODEL,
+        sys_path=list(wt_profile.sys_path),
+        in_process=wt_profile.in_process,
     ) as pool:
         yield pool
 
@@ -148,8 +176,10 @@ def test_rounds_are_bit_exact_in_every_wire_mode(wt_profile: Profile, trainers: 
 
 
 def test_a_failing_worker_is_named_and_every_worker_keeps_its_weights(
-    trainers: Trainers,
+    wt_profile: Profile, trainers: Trainers
 ) -> None:
+    if not wt_profile.loads_by_name:
+        pytest.skip(f"{wt_profile} does not load through the model by name: no load to fail")
     engine, source = _synced(trainers, 1)
     before = {n: t.clone() for n, t in source.tensors.items()}
     names = list(before)
@@ -167,8 +197,10 @@ def test_a_failing_worker_is_named_and_every_worker_keeps_its_weights(
 
 
 def test_a_source_disagreeing_with_its_metadata_is_refused_naming_the_parameter(
-    trainers: Trainers,
+    wt_profile: Profile, trainers: Trainers
 ) -> None:
+    if not wt_profile.takes_source:
+        pytest.skip(f"{wt_profile} takes no WeightSource")
     tensors = conformance_weights(3)
     names = list(tensors)
     source = DisagreeingSource(tensors)
@@ -209,15 +241,21 @@ def test_a_round_aborted_in_band_or_left_open_changes_nothing_and_the_next_round
 
 
 def test_a_killed_worker_fails_the_round_in_time_and_its_restart_is_readmitted(
-    trainers: Trainers,
+    wt_profile: Profile, trainers: Trainers
 ) -> None:
+    if wt_profile.in_process:
+        pytest.skip(f"{wt_profile}'s workers are threads of this process: none can be killed")
     timeout_s = 10.0
     engine, source = _synced(trainers, 8, timeout_s=timeout_s)
     before = {n: t.clone() for n, t in source.tensors.items()}
     pool = trainers.pool
-    pool.each("set_load_delay", 0.5)
     source.set(conformance_weights(9))
-    killer = threading.Timer(0.3, pool.kill, args=(1,))
+    if wt_profile.loads_by_name:  # killed mid-round: each load of the round takes 0.5 s
+        pool.each("set_load_delay", 0.5)
+        killer = threading.Timer(0.3, pool.kill, args=(1,))
+    else:  # no load to slow down: killed before the round
+        pool.kill(1)
+        killer = threading.Timer(0.0, lambda: None)
     killer.start()
     t0 = time.monotonic()
     with pytest.raises(Exception):  # noqa: B017 - each backend names the loss its own way

@@ -6,9 +6,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 __all__ = ["STREAM_WIRE_MODES", "Profile", "TrainerInfo"]
 
 TrainerInfo = Callable[..., Any]
+Sender = Callable[[Any, Mapping[str, torch.Tensor]], None]
 """`trainer_info(*, workers, wire, timeout_s, replace, workdir)` -> rank 0's
 `TrainerInitInfo` for a trainer feeding `workers` worker processes: `wire` is
 one of the profile's `wire_modes`, `timeout_s` bounds every wait, `replace`
@@ -26,7 +29,17 @@ class Profile:
     `.dist-info` there. `wire_modes`: named option sets every bit-exact check
     runs under (packed and unpacked, small buffers, ...). `knows_liveness`: the
     worker engine's `trainer_alive()` is True while its trainer lives, so a
-    second trainer is refused rather than taking over.
+    second trainer is refused rather than taking over. `send`: for a backend
+    whose trainer takes no `WeightSource` (deltas), `send(engine, tensors)` runs
+    one round that leaves every worker holding `tensors`; the suite then
+    passes no source to `trainer_init` and skips the scenario of a source
+    that disagrees with its metadata. `loads_by_name`: the worker loads
+    through the model by parameter name (`load_weights`, the loader), so a
+    name the model refuses fails the round on that worker (False for a
+    backend that writes the parameters in place; the failing-worker
+    scenario is skipped). `in_process`: the workers are threads of the test
+    process (`WorkerPool(in_process=True)`), for a transport that reaches only
+    its own process; the killed-worker scenario is skipped.
     """
 
     backend: str
@@ -34,6 +47,14 @@ class Profile:
     wire_modes: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {"default": {}})
     sys_path: tuple[str, ...] = ()
     knows_liveness: bool = True
+    send: Sender | None = None
+    loads_by_name: bool = True
+    in_process: bool = False
+
+    @property
+    def takes_source(self) -> bool:
+        """Whether the trainer engine takes a `WeightSource` (no `send` given)."""
+        return self.send is None
 
     def __str__(self) -> str:
         return self.backend

@@ -23,6 +23,7 @@ received for a `RecordingModel`, its parameters otherwise). With
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import multiprocessing as mp
@@ -40,6 +41,7 @@ import torch
 from weight_transfer.runtime.control import SEAL_FIELD
 
 AUTHKEY = b"wt-testing"
+STOP = "wt-stop-serving"  # ends an in-process worker (`WorkerPool(in_process=True)`)
 CALL_TIMEOUT_S = 120.0
 
 
@@ -182,6 +184,10 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
     ready.send(("ok", listener.address))
 
     def local(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if method == STOP:  # an in-process worker: its thread ends, its engine shuts down
+            listener.close()
+            session.shutdown_weight_transfer_engine()
+            return None
         if method == "received":
             return {n: t.clone() for n, t in model.received.items()}
         if method == "digests":
@@ -229,7 +235,10 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
                     return
 
     while True:
-        conn = listener.accept()
+        try:
+            conn = listener.accept()
+        except OSError:  # closed by STOP
+            return
         threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
 
@@ -384,7 +393,12 @@ class ForbiddenClient:
 
 
 class WorkerPool:
-    """`n` worker processes of `backend`; use as a context manager (stops them by PID)."""
+    """`n` worker processes of `backend`; use as a context manager (stops them by PID).
+
+    With `in_process`, each worker is a thread of this process serving the same
+    calls (for a backend whose transport reaches only its own process); such a
+    worker cannot be killed, and `stop` shuts its engine down.
+    """
 
     def __init__(
         self,
@@ -399,8 +413,10 @@ class WorkerPool:
         devices: list[str] | None = None,
         sys_path: list[str] | None = None,
         handlers: str | None = None,
+        in_process: bool = False,
     ) -> None:
         self.start_timeout_s = start_timeout_s
+        self.in_process = in_process
         self.specs = [
             WorkerSpec(
                 backend,
@@ -422,8 +438,14 @@ class WorkerPool:
         for rank, (_, parent) in enumerate(started):
             self.addresses.append(self._address(rank, parent))
 
-    @staticmethod
-    def _spawn(spec: WorkerSpec) -> tuple[Any, Any]:
+    def _spawn(self, spec: WorkerSpec) -> tuple[Any, Any]:
+        if self.in_process:
+            parent, child = mp.Pipe()
+            thread = threading.Thread(
+                target=_serve, args=(spec, child), name=f"wt-worker-{spec.rank}", daemon=True
+            )
+            thread.start()
+            return thread, parent
         ctx = worker_context()
         parent, child = ctx.Pipe()
         spec = dataclasses.replace(spec, env={**os.environ, **spec.env})
@@ -460,14 +482,19 @@ class WorkerPool:
         return FanoutClient([self.addresses[i]]).call(method, *args)[0]
 
     def kill(self, i: int) -> None:
+        if self.in_process:
+            raise RuntimeError("a worker of an in-process pool is a thread: it cannot be killed")
         p = self.processes[i]
         if p.is_alive() and p.pid is not None:
             os.kill(p.pid, 9)
             p.join(10)
 
     def stop(self) -> None:
-        for p in self.processes:
-            if p.is_alive():
+        for i, p in enumerate(self.processes):
+            if self.in_process:
+                with contextlib.suppress(Exception):  # it may never have started serving
+                    self.on(i, STOP)
+            elif p.is_alive():
                 p.kill()
             p.join(10)
 
