@@ -150,4 +150,4 @@ def test_the_core_is_the_contract_and_its_runtime() -> None:
     runtime = {m for m in core if _within(m, "weight_transfer.runtime")}
     assert core - runtime == CONTRACT
     lines = sum(len(MODULES[m].read_text().splitlines()) for m in CONTRACT)
-    assert len(CONTRACT) <= 8 and lines <= 1700, (len(CONTRACT), lines)
+    assert len(CONTRACT) <= 8 and lines <= 1800, (len(CONTRACT), lines)

@@ -1,8 +1,13 @@
-"""`WeightSource` defaults, `ModuleSource` on a plain module, `checked_iteration`."""
+"""`WeightSource` defaults, `ModuleSource`, `checked_iteration`, and vLLM 0.33's way of
+writing a source (`ParamMeta` layouts, `source_view`, `local_box`)."""
 
 from __future__ import annotations
 
+import functools
+import math
 import re
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +15,8 @@ import torch
 from tests.core.helpers import ListSource
 from tests.harness import digest
 from weight_transfer import ModuleSource, ParamMeta
+from weight_transfer.base import Replicate, Shard, WeightSource
+from weight_transfer.runtime.sources import local_box, source_view
 from weight_transfer.source import checked_iteration
 
 F32 = torch.float32
@@ -202,3 +209,142 @@ def test_first_non_finite_names_the_first_bad_tensor_across_dtypes(bad: float) -
     assert first_non_finite(tensors) == 4
     tensors[1][69_999] = bad
     assert first_non_finite(tensors) == 1
+
+
+# -- vLLM 0.33's way of writing a source ---------------------------------------------
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"mesh_shape": (2,)}, "owners"),
+        ({"owners": ()}, "owners"),
+        ({"owners": (0, 0)}, "owners"),
+        ({"owners": (-1,)}, "owners"),
+        ({"owners": (0, 1, 2), "mesh_shape": (2, 2)}, "mesh_shape"),
+        ({"owners": (0, 1), "placements": (Shard(0), Shard(1))}, "placements"),
+        ({"owners": (0, 1), "placements": (Shard(2),)}, "placements"),
+        ({"owners": (0, 1), "placements": ("shard",)}, "placements"),
+    ],
+)
+def test_param_meta_layout_errors_name_the_parameter_and_field(kw: dict, field: str) -> None:
+    with pytest.raises(ValueError) as error:
+        ParamMeta("model.w", F32, (4, 6), **kw)
+    assert "'model.w'" in str(error.value) and f"'{field}'" in str(error.value), error.value
+
+
+def test_param_meta_layout_defaults() -> None:
+    m = ParamMeta("w", F32, [4, 6], owners=[3, 1])  # type: ignore[arg-type]
+    assert (m.shape, m.owners, m.mesh_shape, m.placements) == ((4, 6), (3, 1), (2,), None)
+    assert ParamMeta("w", F32, (4,), owners=(0, 1), placements=(Replicate(),)).placements is None
+    assert m.owned_by(1) and not m.owned_by(0) and ParamMeta("v", F32, (2,)).owned_by(7)
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh", "placements"),
+    [
+        ((7, 5), (3,), (Shard(0),)),
+        ((2, 9), (4,), (Shard(1),)),  # more ranks than rows: empty pieces
+        ((6, 10), (2, 3), (Shard(0), Shard(1))),
+        ((6, 10), (2, 2), (Shard(1), Shard(1))),  # both axes split dim 1, outer first
+        ((5, 4), (2, 2), (Replicate(), Shard(0))),
+    ],
+)
+def test_local_box_is_where_torch_chunk_puts_each_ranks_piece(
+    shape: tuple[int, ...], mesh: tuple[int, ...], placements: tuple
+) -> None:
+    full = torch.arange(math.prod(shape)).reshape(shape)
+    owners = tuple(range(10, 10 + math.prod(mesh)))  # any ranks, in mesh order
+    meta = ParamMeta("w", torch.int64, shape, owners=owners, mesh_shape=mesh, placements=placements)
+    for index, rank in enumerate(owners):
+        coords = [index // mesh[1], index % mesh[1]] if len(mesh) == 2 else [index]
+        want = full
+        for placement, coord, ways in zip(placements, coords, mesh, strict=True):
+            if isinstance(placement, Shard):
+                chunks = want.chunk(ways, placement.dim)
+                want = chunks[coord] if coord < len(chunks) else want.narrow(placement.dim, 0, 0)
+        got = full
+        for d, (start, length) in enumerate(local_box(meta, rank)):
+            got = got.narrow(d, start, length)
+        assert torch.equal(got, want), (rank, local_box(meta, rank))
+    with pytest.raises(ValueError, match="rank 0 is not one of its owners"):
+        local_box(meta, 0)
+
+
+class Cached033(WeightSource):
+    """vLLM 0.33's way: a cached `metadata` declaring owners, `iter_full` of what this rank owns."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.tensors = {m.name: torch.full(m.shape, float(i)) for i, m in enumerate(METAS)}
+
+    @functools.cached_property
+    def metadata(self) -> list[ParamMeta]:  # type: ignore[override]
+        return [
+            ParamMeta(m.name, F32, m.shape, owners=(0,) if "layers.1" in m.name else (0, 1))
+            for m in METAS
+        ]
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.owned_names(self.rank):
+            yield name, self.tensors[name]
+
+
+def test_a_vllm_033_source_is_seen_the_specs_way() -> None:
+    for rank in (0, 1):
+        source = Cached033(rank)
+        view = source_view(source, rank)
+        assert view is not source and view.metadata() == source.metadata
+        owned = [m.name for m in source.metadata if m.owned_by(rank)]
+        assert view.held_names() == set(owned)
+        pairs = [pair for names, got in view.iter_groups() for pair in zip(names, got, strict=True)]
+        assert [n for n, t in pairs if t is not None] == owned
+        assert all(torch.equal(t, source.tensors[n]) for n, t in pairs if t is not None)
+        assert view.implements_iter_full() and not view.implements_iter_local()
+    spec = ListSource(METAS)
+    assert source_view(spec, 0) is spec
+    assert spec.owned_names(0) == NAMES and spec.implements_iter_full()
+    assert [n for n, _ in spec.iter_full()] == NAMES
+
+
+def test_a_vllm_033_source_that_strays_is_named() -> None:
+    source = Cached033(0)
+    source.tensors["model.layers.0.b"] = torch.zeros(5)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.b"):
+        list(checked_iteration(source.metadata, source_view(source, 0)))
+
+
+def _declared_by_module_source(store: str) -> tuple[Any, ...]:
+    """In a process of its own (the test process may hold a default group already):
+    a one-rank gloo group, a Linear whose weight is a DTensor sharded on dim 1."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard as TorchShard
+    from torch.distributed.tensor import distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Linear(4, 3)
+        full = model.weight.detach().clone()
+        model.weight = torch.nn.Parameter(distribute_tensor(full, mesh, [TorchShard(1)]))
+        source = ModuleSource(model)
+        weight, bias = source.metadata()
+        local = dict(source.iter_local())
+        return (
+            (weight.owners, weight.mesh_shape, weight.placements),
+            (bias.owners, bias.placements),
+            source.implements_iter_local(),
+            source.held_names(),
+            torch.equal(local["weight"], full) and torch.equal(local["bias"], model.bias),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_module_source_declares_dtensor_owners_and_placements(tmp_path: Any) -> None:
+    """A DTensor parameter is declared with its mesh's ranks and placements and
+    iter_local yields its local tensor; a plain one is every rank's."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        declared = pool.apply(_declared_by_module_source, (str(tmp_path / "store"),))
+    assert declared == (((0,), (1,), (Shard(1),)), (None, None), True, None, True)

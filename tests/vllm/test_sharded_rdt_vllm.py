@@ -11,6 +11,8 @@
 - A replica killed and started again as a new actor is re-admitted by the
   next sync (`reconnect`: every replica gets its handshake again) and then
   serves exactly what a fresh engine loaded from the target weights does.
+- Two FSDP2 trainer ranks (gloo, a Ray actor each) sync both replicas from
+  their local shards (`local_shards`): no rank runs an all-gather.
 - One engine with tensor parallelism 2 (vLLM's multiprocess executor; its
   worker processes join the Ray cluster as drivers from the handshake's
   address): each worker pulls about half of the model.
@@ -172,6 +174,46 @@ def test_two_replicas_pull_over_nixl(replicas: list[Any], references: References
             assert generate(actor) == references.outputs(2), f"replica {r} after recovery"
     finally:
         trainer.shutdown()
+
+
+def test_fsdp2_ranks_sync_live_engines_from_their_own_shards(
+    cluster: Any, replicas: list[Any], references: References
+) -> None:
+    """Two FSDP2 ranks (gloo, a Ray actor each) feed both replicas from their local
+    shards: no rank gathers, and the engines generate what fresh ones loaded from
+    the target checkpoint do."""
+    from tests.backends.sharded_rdt.ray_parts import FsdpRank
+    from weight_transfer.kits.group import free_port
+
+    rank_cls = cluster.remote(num_cpus=0)(FsdpRank)
+    port = free_port()
+    ranks = [rank_cls.remote(r, 2, port, 0, "llama") for r in range(2)]
+    info = dict(
+        num_consumers=REPLICAS, num_replicas=REPLICAS, num_trainer_ranks=2, transport="nixl",
+        producer_prefix="wt-vllm-rdt-fsdp", timeout_s=120.0, stall_timeout_s=30.0,
+        actor_env=LOOPBACK_ENV,
+    )  # fmt: skip
+    try:
+        local = cluster.get(
+            [
+                r.init.remote(info, engines=replicas if i == 0 else None)
+                for i, r in enumerate(ranks)
+            ],
+            timeout=300,
+        )
+        assert all(local)
+        for seed in (2, 3):
+            cluster.get([r.load.remote(seed) for r in ranks], timeout=120)
+            results = cluster.get([r.sync.remote() for r in ranks], timeout=300)
+            for rank, (counts, served) in enumerate(results):
+                assert not [n for n in counts if "gather" in n], f"rank {rank} gathered: {counts}"
+                assert served > 0, f"rank {rank} served nothing"
+            for r, actor in enumerate(replicas):
+                assert generate(actor) == references.outputs(seed), f"replica {r}, seed {seed}"
+    finally:
+        cluster.get([r.shutdown.remote() for r in ranks], timeout=60)
+        for actor in ranks:
+            cluster.kill(actor)
 
 
 def _pulled_bytes(worker: Any) -> int:

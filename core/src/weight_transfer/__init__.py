@@ -28,13 +28,22 @@ from weight_transfer.factory import (
 )
 from weight_transfer.fleet import FanOutClient, FleetError
 from weight_transfer.position import WorkerPosition
+from weight_transfer.runtime.sources import ModuleSource
 from weight_transfer.session import WorkerSession
-from weight_transfer.source import ModuleSource, ParamMeta, WeightSource, layerwise_groups
+from weight_transfer.source import (
+    ParamMeta,
+    Replicate,
+    Shard,
+    WeightSource,
+    layerwise_groups,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ParamMeta",
+    "Replicate",
+    "Shard",
     "WeightSource",
     "ModuleSource",
     "layerwise_groups",

@@ -38,6 +38,7 @@ from weight_transfer.runtime.control import (
 )
 from weight_transfer.runtime.hooks import SyncTracker
 from weight_transfer.runtime.round_client import DEFAULT_TIMEOUT_S, RoundClient, new_trainer_id
+from weight_transfer.runtime.sources import ModuleSource, source_view
 from weight_transfer.runtime.worker_round import (
     KEY_ATTR,
     ModelIncompleteError,
@@ -45,11 +46,27 @@ from weight_transfer.runtime.worker_round import (
     WorkerRound,
     round_step,
 )
-from weight_transfer.source import WeightSource  # in the engine's signatures, as in the spec
+from weight_transfer.source import (  # the source's names, importable here as in vLLM's base
+    ParamMeta,
+    Placement,
+    Replicate,
+    Shard,
+    WeightSource,
+    layerwise_groups,
+    materialize_full_tensor,
+)
 
 __all__ = [
     "WeightSource",
+    "ParamMeta",
+    "ModuleSource",
+    "Replicate",
+    "Shard",
+    "Placement",
+    "layerwise_groups",
+    "materialize_full_tensor",
     "UpdatePayload",
+    "WeightTransferUpdatePayload",
     "ABORT_FIELD",
     "RoundAbortedError",
     "ModelIncompleteError",
@@ -65,6 +82,7 @@ __all__ = [
 ]
 
 UpdatePayload = dict[str, Any] | list[dict[str, Any]]
+WeightTransferUpdatePayload = UpdatePayload  # vLLM's name
 
 logger = logging.getLogger("weight_transfer")
 
@@ -129,6 +147,10 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
     `trainer_id` names this engine to the workers (`new_trainer_id`); group
     backends ship it, and workers serve one trainer at a time.
 
+    `self.source` is the caller's source seen the spec's way (`source_view`:
+    a source written as vLLM 0.33 writes one is viewed through its
+    `iter_full` and `owned_names(rank)`, `rank` this trainer rank's).
+
     `self.client` is the caller's client seen through `RoundClient`:
     `update_weights` returns once the call is in flight, and the next call
     waits for it (at most `timeout_s`), so a backend transmits while the
@@ -146,6 +168,7 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
         source: WeightSource | None,
         is_sender: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        rank: int | None = None,
     ) -> None:
         self.trainer_id = new_trainer_id()
         self.client = (
@@ -153,7 +176,7 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
             if isinstance(client, RoundClient)
             else RoundClient(client, timeout_s, trainer_id=self.trainer_id)
         )
-        self.source = source
+        self.source = source_view(source, rank)  # a vLLM 0.33-style source, seen the spec's way
         self.is_sender = is_sender
         self.timeout_s = timeout_s
         self.syncs = 0

@@ -398,9 +398,10 @@ def _error_detail(response: Any) -> str:
 
 
 class RayVLLMWeightSyncClient(_PausingClient):
-    """One or more Ray actor handles wrapping an `LLM`/`AsyncLLM` (or anything with
-    the four methods). Each call fans out to every handle and blocks on all,
-    at most `timeout` seconds.
+    """One or more Ray actor handles (`handle`: one, or a list, as vLLM's client
+    takes them) wrapping an `LLM`/`AsyncLLM` (or anything with the four
+    methods). Each call fans out to every handle and blocks on all, at most
+    `timeout` seconds.
 
     Init and update travel as request objects (`request.init_info`,
     `request.update_info`), which `AsyncLLM` requires and `LLM` accepts.
@@ -411,7 +412,7 @@ class RayVLLMWeightSyncClient(_PausingClient):
 
     def __init__(
         self,
-        handles: Any | Sequence[Any],
+        handle: Any | Sequence[Any],
         timeout: float = 300.0,
         *,
         pause: PauseMode | None = "keep",
@@ -421,7 +422,7 @@ class RayVLLMWeightSyncClient(_PausingClient):
 
         self._set_policy(pause, reset_prefix_cache)
         self._ray = ray
-        self.handles = list(handles) if isinstance(handles, (list, tuple)) else [handles]
+        self.handles = list(handle) if isinstance(handle, (list, tuple)) else [handle]
         if not self.handles:
             raise ValueError("RayVLLMWeightSyncClient needs at least one actor handle")
         self.timeout = timeout

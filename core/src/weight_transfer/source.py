@@ -1,4 +1,4 @@
-"""What to send: `ParamMeta`, `WeightSource`, `ModuleSource` and `layerwise_groups`.
+"""What to send: `ParamMeta` (with `Replicate` / `Shard`), `WeightSource`, `layerwise_groups`.
 
 Contract of a `WeightSource` (every backend may rely on it):
 
@@ -15,13 +15,25 @@ Contract of a `WeightSource` (every backend may rely on it):
   bucket's tensors before copying them in one batch, or send a tensor as it is
   while the next one is produced. A source that gathers into one reused buffer
   yields a copy of it.
+
+A source may also be written as vLLM 0.33 writes one: `metadata` a
+`functools.cached_property`, `iter_full()` (each parameter this rank owns, full)
+and/or `iter_local()` (this rank's piece, as `ParamMeta.placements` lays it
+out), `owned_names(rank)`; a `ParamMeta` then names its `owners`, `mesh_shape`
+and `placements`. Trainer engines see every source through
+`runtime.sources.source_view`, which gives such a source the contract above,
+checked the same way; a source written either way has the other way's methods
+too. `ModuleSource` (a module, plain or DTensor) lives in `runtime.sources`.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import inspect
+import math
+from abc import ABC
 from collections.abc import Collection, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,8 +41,11 @@ from weight_transfer.runtime.finite import all_finite, non_finite_error
 
 __all__ = [
     "ParamMeta",
+    "Replicate",
+    "Shard",
+    "Placement",
     "WeightSource",
-    "ModuleSource",
+    "metadata_of",
     "layerwise_groups",
     "materialize_full_tensor",
     "checked_iteration",
@@ -39,12 +54,85 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class Replicate:
+    """Every coordinate along this mesh axis holds the whole extent."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This mesh axis splits tensor dim `dim` the way `torch.chunk` does."""
+
+    dim: int
+
+
+Placement = Replicate | Shard
+
+
+@dataclass(frozen=True)
 class ParamMeta:
-    """One parameter as it travels: HF name, wire dtype, full shape."""
+    """One parameter as it travels: HF name, wire dtype, full shape; and, for a source
+    that declares it, who owns it and how (as vLLM 0.33 declares it).
+
+    `owners`: the trainer ranks (`TrainerInitInfo.rank`) that own it, in mesh
+    order; None means every rank. `mesh_shape`: the row-major shape of the mesh
+    over `owners` (default `(len(owners),)`). `placements`: one `Replicate` or
+    `Shard` per mesh axis, what `iter_local` yields on each owner (`Shard` splits
+    as `torch.chunk` does, the outer mesh axis first); None means replicated.
+    `ValueError` names the parameter when they do not fit together.
+    """
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    owners: tuple[int, ...] | None = field(default=None, kw_only=True)
+    mesh_shape: tuple[int, ...] | None = field(default=None, kw_only=True)
+    placements: tuple[Placement, ...] | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+        if self.owners is None:
+            if self.mesh_shape is not None or self.placements is not None:
+                raise ValueError(
+                    f"parameter {self.name!r}: field 'owners' is missing, but a mesh or "
+                    "placements are declared"
+                )
+            return
+        owners = tuple(self.owners)
+        ranks_ok = all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in owners)
+        if not owners or not ranks_ok or len(set(owners)) != len(owners):
+            raise ValueError(
+                f"parameter {self.name!r}: field 'owners' must list distinct non-negative "
+                f"ranks, got {self.owners!r}"
+            )
+        mesh = tuple(self.mesh_shape) if self.mesh_shape is not None else (len(owners),)
+        if any(d <= 0 for d in mesh) or math.prod(mesh) != len(owners):
+            raise ValueError(
+                f"parameter {self.name!r}: field 'mesh_shape' {list(mesh)} does not cover "
+                f"its {len(owners)} owners"
+            )
+        placements = None if self.placements is None else tuple(self.placements)
+        if placements is not None:
+            if len(placements) != len(mesh):
+                raise ValueError(
+                    f"parameter {self.name!r}: field 'placements' has {len(placements)} "
+                    f"entries for a {len(mesh)}-D mesh"
+                )
+            for p in placements:
+                if isinstance(p, Shard) and not 0 <= p.dim < len(self.shape):
+                    raise ValueError(
+                        f"parameter {self.name!r}: field 'placements' shards dim {p.dim} of a "
+                        f"{len(self.shape)}-D tensor"
+                    )
+                if not isinstance(p, (Shard, Replicate)):
+                    raise ValueError(
+                        f"parameter {self.name!r}: field 'placements' holds {p!r}, neither "
+                        "Replicate nor Shard"
+                    )
+            if all(isinstance(p, Replicate) for p in placements):
+                placements = None
+        object.__setattr__(self, "owners", owners)
+        object.__setattr__(self, "mesh_shape", mesh)
+        object.__setattr__(self, "placements", placements)
 
     @property
     def numel(self) -> int:
@@ -56,6 +144,9 @@ class ParamMeta:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    def owned_by(self, rank: int) -> bool:
+        return self.owners is None or rank in self.owners
 
 
 def layer_key(name: str) -> tuple[str, int] | None:
@@ -113,16 +204,21 @@ def materialize_full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class WeightSource(ABC):
-    """What a trainer sends. See the module docstring for the full contract."""
+class WeightSource(ABC):  # noqa: B024 - abstract by intent; either way of writing one is complete
+    """What a trainer sends. See the module docstring for the full contract.
 
-    @abstractmethod
+    Write `metadata()` and `__iter__` (the spec's way), or a cached `metadata`
+    and `iter_full()` / `iter_local()` (vLLM 0.33's way); either way the source
+    answers both ways' calls (`source_view` is how engines call it).
+    """
+
     def metadata(self) -> list[ParamMeta]:
         """Every parameter, in iteration order, without transferring anything."""
+        raise NotImplementedError(f"{type(self).__name__} defines no metadata")
 
-    @abstractmethod
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """A fresh pass of fully materialized `(name, tensor)` pairs."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither __iter__ nor iter_full")
 
     def held_names(self) -> Collection[str] | None:
         """Names this rank can produce; `None` (the default) means all of them."""
@@ -135,7 +231,7 @@ class WeightSource(ABC):
         name of `held_names()`. An override must keep every leaf module's names in
         one group and must preserve metadata order.
         """
-        all_groups = layerwise_groups(m.name for m in self.metadata())
+        all_groups = layerwise_groups(m.name for m in metadata_of(self))
         held = self.held_names()
         if held is None:
             return all_groups
@@ -155,7 +251,7 @@ class WeightSource(ABC):
         for gi, names in enumerate(wanted):
             for n in names:
                 group_of[n] = gi
-        expected = iter([m.name for m in self.metadata()])
+        expected = iter([m.name for m in metadata_of(self)])
         batch_names: list[str] = []
         batch: list[torch.Tensor | None] = []
         gi_next = 0
@@ -182,26 +278,44 @@ class WeightSource(ABC):
                 "every name of metadata()"
             )
 
-
-class ModuleSource(WeightSource):
-    """A module's `named_parameters()`, plain or sharded (DTensor/FSDP2).
-
-    `metadata()` reads each parameter's global shape and dtype, so it never
-    gathers. Iteration materializes each parameter with `full_tensor()` when it
-    is a DTensor (a collective: every rank must iterate) and detaches it.
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-
-    def metadata(self) -> list[ParamMeta]:
+    # -- vLLM 0.33's names, for a source written the spec's way ------------------
+    def owned_names(self, rank: int) -> list[str]:
+        """The names `rank` iterates, in metadata order (this rank's `held_names()`)."""
+        held = self.held_names()
         return [
-            ParamMeta(name, p.dtype, tuple(p.shape)) for name, p in self.module.named_parameters()
+            m.name
+            for m in metadata_of(self)
+            if m.owned_by(rank) and (held is None or m.name in held)
         ]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self.module.named_parameters():
-            yield name, materialize_full_tensor(p.detach())
+    def implements_iter_full(self) -> bool:
+        return _defines(self, "iter_full") or _defines(self, "__iter__")
+
+    def implements_iter_local(self) -> bool:
+        return _defines(self, "iter_local")
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full tensor of each name this rank holds (iteration without the Nones)."""
+        for name, tensor in self:
+            if tensor is not None:
+                yield name, tensor
+
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's piece of each name it owns, as `ParamMeta.placements` lays it out."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement iter_local")
+
+
+def _defines(source: Any, method: str) -> bool:
+    """Whether `source`'s class overrides `method` of `WeightSource` (or, for a source
+    that is no `WeightSource`, has it at all)."""
+    own = inspect.getattr_static(type(source), method, None)
+    return own is not None and own is not getattr(WeightSource, method)
+
+
+def metadata_of(source: Any) -> list[ParamMeta]:
+    """`source.metadata()`, or the list a source written as vLLM 0.33 writes one holds."""
+    metadata = source.metadata
+    return list(metadata() if callable(metadata) else metadata)
 
 
 def _describe(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> str:

@@ -142,3 +142,96 @@ class ActorsClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._all("finish_weight_update", weight_version)
+
+
+def fsdp_weights(model: str, seed: int) -> dict[str, torch.Tensor]:
+    """The full weights an `FsdpRank` trains: `checkpoint(seed)` (`"sharded"`, the names
+    `ShardedModel` loads) or the tiny Llama of the vLLM tests (`"llama"`, HF names)."""
+    if model == "sharded":
+        from tests.backends.sharded_rdt.models import checkpoint
+
+        return checkpoint(seed)
+    from wt_tools.tiny_model import tiny_llama
+
+    return {n: p.detach() for n, p in tiny_llama(seed=seed).named_parameters()}
+
+
+class FsdpRank:
+    """One FSDP2 trainer rank (wrapped by `ray.remote` in tests): joins a gloo group of
+    `world` ranks, holds `fsdp_weights(model)`' names as a module whose every leaf
+    module is `fully_shard`ed over a 1-D mesh (on dim 0, or on `dim` where a parameter
+    has it: FSDP2's `shard_placement_fn`), and syncs it through `sharded_rdt` over
+    NIXL with a `ModuleSource`, counting the collectives each sync runs."""
+
+    def __init__(self, rank: int, world: int, port: int, dim: int, model: str = "sharded") -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
+
+        from weight_transfer.testing.models import ConformanceModel
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        self.rank, self.mesh, self.kind = rank, init_device_mesh("cpu", (world,)), model
+        self.model = ConformanceModel(fsdp_weights(model, 0))
+
+        def placement(param: torch.nn.Parameter) -> Any:
+            return Shard(dim if param.dim() > dim else 0)
+
+        leaves = [m for m in self.model.modules() if list(m.parameters(recurse=False))]
+        for module in leaves:
+            fully_shard(module, mesh=self.mesh, shard_placement_fn=placement)
+        self.engine: Any = None
+
+    def init(self, info: dict[str, Any], client: Any = None, engines: Any = None) -> bool:
+        """`trainer_init` on this rank; the sender's client is `client`, or one over
+        `engines` (vLLM `LLM` actors, fanned out). Whether it sends local shards."""
+        from weight_transfer import FanOutClient, ModuleSource, RayVLLMWeightSyncClient
+        from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo
+
+        if engines:
+            client = FanOutClient([RayVLLMWeightSyncClient(a, timeout=120.0) for a in engines])
+
+        self.engine = ShardedRDTTrainerEngine.trainer_init(
+            ShardedRDTTrainerInitInfo(rank=self.rank, **info),
+            client=client,
+            source=ModuleSource(self.model),
+        )
+        return bool(self.engine.local)
+
+    def load(self, seed: int) -> None:
+        """Set every local shard to torch's own piece of the weights of `seed`
+        (`distribute_tensor`: a collective every rank runs, outside any sync)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        with torch.no_grad():
+            for name, tensor in fsdp_weights(self.kind, seed).items():
+                param = self.model.get_parameter(name)
+                piece = distribute_tensor(tensor, self.mesh, param.placements).to_local()
+                param.to_local().copy_(piece)
+
+    def sync(self) -> tuple[dict[str, int], int]:
+        """One sync: the collectives it ran (by function) and the bytes this rank served."""
+        from wt_tools.counting import Collectives
+
+        with Collectives() as counted:
+            self.engine.send_weights()
+        return dict(counted.counts), int(self.engine.host.describe()["served_bytes"])
+
+    def gathers_of_full_tensor(self) -> int:
+        """The all-gathers `Collectives` sees in one `full_tensor()` (the counter's own check)."""
+        from wt_tools.counting import Collectives
+
+        with Collectives() as counted:
+            next(iter(self.model.parameters())).full_tensor()
+        return counted.gathers
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if self.engine is not None:
+            self.engine.shutdown()
+        dist.destroy_process_group()

@@ -311,3 +311,50 @@ def test_verified_pulls_over_nixl_refuse_a_corrupted_byte(cluster: Any) -> None:
         trainer.shutdown()
         for a in actors:
             ray.kill(a)
+
+
+def test_fsdp2_ranks_send_their_own_shards_without_gathering(cluster: Any) -> None:
+    """Four real FSDP2 ranks (gloo, one process each; parameters sharded on dim 1)
+    feed a TP-2 engine's consumers with local shards: bit-exact, no all-gather on any
+    rank, each rank serving about its share of the bytes. (Two ranks on dim 0 into
+    TP-1 engines: `tests/vllm/test_sharded_rdt_vllm.py`; every mesh, dim and TP
+    over loopback: `test_local_shards.py`.)"""
+    world, dim, tp = 4, 1, 2
+    from tests.backends.sharded_rdt.ray_parts import FsdpRank
+    from weight_transfer.kits.group import free_port
+
+    actors = consumers(cluster, tp)
+    client = ActorsClient(actors)
+    rank_cls = cluster.remote(num_cpus=0)(FsdpRank)
+    port = free_port()
+    ranks = [rank_cls.remote(r, world, port, dim) for r in range(world)]
+    prefix = f"wt-nixl-{next(_prefixes)}"
+    try:
+        kw = dict(
+            num_consumers=tp, transport="nixl", producer_prefix=prefix, num_trainer_ranks=world,
+            timeout_s=60.0, stall_timeout_s=20.0, peer_timeout_s=10.0,
+        )  # fmt: skip
+        local = cluster.get(
+            [r.init.remote(kw, client if i == 0 else None) for i, r in enumerate(ranks)],
+            timeout=180,
+        )
+        assert all(local), "ModuleSource over FSDP2 parameters must send local shards"
+        for seed in (2, 3):
+            cluster.get([r.load.remote(seed) for r in ranks], timeout=60)
+            results = cluster.get([r.sync.remote() for r in ranks], timeout=180)
+            assert_serving(cluster, actors, tp, seed)
+            for rank, (counts, _) in enumerate(results):
+                gathers = {n: c for n, c in counts.items() if "gather" in n}
+                assert not gathers, f"trainer rank {rank} gathered: {gathers}"
+        served = [nbytes for _, nbytes in results]
+        kept = sum(
+            share for _, _, share in cluster.get([a.state.remote() for a in actors], timeout=60)
+        )
+        assert sum(served) == kept, (served, kept)  # every byte a consumer keeps, moved once
+        assert max(served) <= 1.5 * kept / world, (served, kept)  # each rank about its share
+        # the counter sees a gather where there is one
+        assert all(cluster.get([r.gathers_of_full_tensor.remote() for r in ranks], timeout=60))
+    finally:
+        cluster.get([r.shutdown.remote() for r in ranks], timeout=60)
+        for a in [*ranks, *actors]:
+            ray.kill(a)

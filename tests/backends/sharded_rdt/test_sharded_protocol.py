@@ -11,6 +11,8 @@ import torch
 from tests.backends.sharded_rdt.models import ShardedModel, checkpoint
 from weight_transfer import ParamMeta, layerwise_groups
 from weight_transfer.backend import DirectLoader, payload_of
+from weight_transfer.base import Shard
+from weight_transfer.kits.slices import Scatter
 from weight_transfer.kits.stream import digest
 from wt_sharded_rdt.producer import Producer, ProducerError
 from wt_sharded_rdt.protocol import (
@@ -23,6 +25,7 @@ from wt_sharded_rdt.protocol import (
     metadata_digest,
     owner_table,
 )
+from wt_sharded_rdt.shards import SliceBox, shard_pieces, slice_box
 from wt_sharded_rdt.trainer import ShardedRDTTrainerInitInfo
 from wt_sharded_rdt.worker import bake
 
@@ -61,6 +64,10 @@ def handshake(**kw: Any) -> dict[str, Any]:
         ({"shapes": [[2, -2], [3]]}, "shapes[0]"),
         ({"num_rdt_buffers": 0}, "num_rdt_buffers"),
         ({"stall_timeout_s": 0}, "stall_timeout_s"),
+        ({"shard_layouts": {"c.w": [[0], [1], [0]]}}, "shard_layouts"),
+        ({"shard_layouts": {"a.w": [[0, 0], [2], [0]]}}, "shard_layouts[a.w]"),
+        ({"shard_layouts": {"a.w": [[0, 1], [2], [5]]}}, "shard_layouts[a.w]"),
+        ({"shard_layouts": {"a.w": [[0, 1]]}}, "shard_layouts[a.w]"),
     ],
 )
 def test_malformed_handshake_names_the_field(change: dict[str, Any], field: str) -> None:
@@ -311,3 +318,39 @@ def test_producer_errors_fail_the_sync_they_name() -> None:
 def test_malformed_update_info_names_the_field(fields: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=f"update_info: field '{field}'"):
         ShardedRDTUpdateInfo(**fields)
+
+
+_ALL = ("__slice__", None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("chain", "box", "dims"),
+    [
+        ((), ((0, 6), (0, 8)), (0, 1)),
+        ((("narrow", (0, 2, 3), ()),), ((2, 3), (0, 8)), (0, 1)),
+        ((("t", (), ()),), ((0, 6), (0, 8)), (1, 0)),
+        ((("chunk", (2,), (("dim", 1),)), ("__getitem__", (1,), ())), ((0, 6), (4, 4)), (0, 1)),
+        ((("__getitem__", (1,), ()), ("unsqueeze", (0,), ())), ((1, 1), (0, 8)), (None, 1)),
+        ((("contiguous", (), ()), ("narrow", (1, 3, 2), ())), ((0, 6), (3, 2)), (0, 1)),
+        ((("view", ((-1,),), ()),), None, None),  # merges two dims
+        ((("__getitem__", ((_ALL, ("__slice__", None, None, 2)),), ()),), None, None),  # a step
+        ((("view", (("__dtype__", "float16"),), ()),), None, None),  # reinterprets
+    ],
+)
+def test_a_slice_is_a_box_of_the_tensor_or_none(chain: Any, box: Any, dims: Any) -> None:
+    cut = slice_box(ParamMeta("w", torch.float32, (6, 8)), chain)
+    assert (cut is None) if box is None else (cut == SliceBox(box, dims)), cut
+
+
+def test_a_slice_that_is_no_box_of_a_sharded_tensor_is_refused_naming_it() -> None:
+    meta = ParamMeta("model.w", torch.float32, (6, 8), owners=(0, 1), placements=(Shard(0),))
+    chain = (("view", ((-1,),), ()),)
+    scatter = Scatter(("model.w", chain), "m", "weight", 0, (48,), (1,), (48,), torch.float32)
+    with pytest.raises(ValueError, match=r"'model\.w'.*not a box"):
+        shard_pieces(meta, scatter)
+    whole = Scatter(("model.w", ()), "m", "weight", 0, (6, 8), (8, 1), (6, 8), torch.float32)
+    pieces = shard_pieces(meta, whole)
+    assert [(owners, p.offset, p.src_shape) for owners, p in pieces] == [
+        ([0], 0, (3, 8)),
+        ([1], 24, (3, 8)),
+    ]

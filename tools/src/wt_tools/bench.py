@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from wt_tools import cost_model, digest_bench, report
+    from wt_tools import cost_model, digest_bench, gather_bench, report
     from wt_tools.scenarios import run_scenario, scenarios_for
 
     os.makedirs(args.out, exist_ok=True)
@@ -366,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
     print("digest cost (verified bytes), against a copy of the same bytes:")
     results["digest"] = digest_bench.measure(repeats=max(10, 5 * repeats))
     print("\n".join(report.digest_table(results["digest"])))
+    print("an FSDP2 trainer's pass over its model, full tensors against local shards:")
+    results["gather"] = gather_bench.measure(
+        ranks=2, layers=2 if args.quick else 8, hidden=256 if args.quick else 1024, repeats=repeats
+    )
+    print("\n".join(gather_bench.table(results["gather"])))
     work = tempfile.mkdtemp(prefix="wt-bench-")
     atexit.register(shutil.rmtree, work, True)  # the checkpoints are scratch
     start_local_ray(work)

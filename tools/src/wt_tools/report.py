@@ -224,6 +224,16 @@ def markdown(results: dict[str, Any]) -> str:
     if digest:
         out += ["", "## Verified bytes: the digest alone (`wt_tools.digest_bench`)", ""]
         out += digest_table(digest)
+    gather = results.get("gather")
+    if gather:
+        from wt_tools.gather_bench import table
+
+        out += [
+            "",
+            "## FSDP2 trainer: full tensors against local shards (`wt_tools.gather_bench`)",
+            "",
+        ]
+        out += table(gather)
     live = results.get("live")
     if live:
         out += ["", f"## Live vLLM ({live['bytes'] / 2**30:.2f} GiB, in-process)", ""]

@@ -9,7 +9,8 @@ of known weights, so the tests of one profile share its workers.
 
 Checked: bit-exact rounds in every wire mode; a failing worker (named, every
 worker rolled back, the next round works); a source that disagrees with its
-metadata (the parameter named, rolled back); a round aborted in band and one
+metadata (the parameter named, rolled back); a source written as vLLM 0.33
+writes one (cached `metadata`, `iter_full`); a round aborted in band and one
 left open; a killed worker (the round fails within the timeout, the restarted
 worker is re-admitted); one trainer per engine; re-admission of an engine
 that was shut down.
@@ -28,9 +29,11 @@ import pytest
 import torch
 
 from weight_transfer.factory import WeightTransferTrainerFactory
+from weight_transfer.source import WeightSource
 from weight_transfer.testing.models import (
     DISAGREEMENTS,
     DisagreeingSource,
+    Source033,
     TensorSource,
     conformance_weights,
 )
@@ -101,7 +104,7 @@ class Trainers:
 
     def start(
         self,
-        source: TensorSource,
+        source: WeightSource,
         *,
         wire: dict[str, Any] | None = None,
         replace: bool = False,
@@ -221,6 +224,31 @@ def test_a_source_disagreeing_with_its_metadata_is_refused_naming_the_parameter(
     source.how = None
     engine.send_weights()
     assert_holds(trainers.pool, tensors, "the round after a disagreeing source")
+
+
+def test_a_source_written_as_vllm_033_writes_one_syncs_bit_exactly(
+    wt_profile: Profile, trainers: Trainers
+) -> None:
+    """A cached `metadata` and `iter_full()` (vLLM 0.33's way): bit-exact rounds, and a
+    disagreement named and rolled back as the spec's way of writing a source gets."""
+    if not wt_profile.takes_source:
+        pytest.skip(f"{wt_profile} takes no WeightSource")
+    tensors = conformance_weights(8)
+    names = list(tensors)
+    source = Source033(tensors)
+    engine = trainers.start(source)
+    engine.send_weights()
+    assert_holds(trainers.pool, tensors, "the first round of a vLLM 0.33-style source")
+    before = {n: t.clone() for n, t in tensors.items()}
+    source.set(conformance_weights(9))
+    source.how, source.at = "reshape", 4
+    with pytest.raises(ValueError) as error:
+        engine.send_weights()
+    assert names[4] in str(error.value), error.value
+    assert_holds(trainers.pool, before, "after a 0.33-style source disagreed", within_s=TIMEOUT_S)
+    source.how = None
+    engine.send_weights()
+    assert_holds(trainers.pool, tensors, "the round after a 0.33-style source disagreed")
 
 
 def test_a_round_aborted_in_band_or_left_open_changes_nothing_and_the_next_round_works(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -13,6 +14,7 @@ from weight_transfer.source import ParamMeta, WeightSource
 __all__ = [
     "ConformanceModel",
     "DisagreeingSource",
+    "Source033",
     "TensorSource",
     "conformance_model",
     "conformance_weights",
@@ -125,18 +127,45 @@ class DisagreeingSource(TensorSource):
         self.at = at
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        items: list[tuple[str, Any]] = list(self.tensors.items())
-        at = self.at
-        if self.how == "reorder":
-            items[at], items[at + 1] = items[at + 1], items[at]
-        elif self.how == "redtype":
-            items[at] = (items[at][0], items[at][1].to(torch.float64))
-        elif self.how == "reshape":
-            items[at] = (items[at][0], items[at][1].reshape(1, -1))
-        elif self.how == "missing":
-            items = items[:at]
-        elif self.how == "extra":
-            items.append(("surplus.weight", torch.zeros(3)))
-        elif self.how == "rename":
-            items[at] = (items[at][0] + ".renamed", items[at][1])
-        yield from items
+        yield from altered(self.tensors, self.how, self.at)
+
+
+class Source033(WeightSource):
+    """A source written the way vLLM 0.33's docs write one: `metadata` a cached
+    property, `iter_full()` and nothing else; `how` / `at` alter iteration as
+    `DisagreeingSource`'s do."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], how: str | None = None, at: int = 0):
+        self.tensors = tensors
+        self.how = how
+        self.at = at
+
+    @functools.cached_property
+    def metadata(self) -> list[ParamMeta]:  # type: ignore[override]
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from altered(self.tensors, self.how, self.at)
+
+    def set(self, tensors: dict[str, torch.Tensor]) -> None:
+        TensorSource.set(self, tensors)  # type: ignore[arg-type]
+
+
+def altered(
+    tensors: dict[str, torch.Tensor], how: str | None, at: int
+) -> list[tuple[str, torch.Tensor]]:
+    """`tensors`' items altered by `how` at `at` (`DisagreeingSource`)."""
+    items: list[tuple[str, Any]] = list(tensors.items())
+    if how == "reorder":
+        items[at], items[at + 1] = items[at + 1], items[at]
+    elif how == "redtype":
+        items[at] = (items[at][0], items[at][1].to(torch.float64))
+    elif how == "reshape":
+        items[at] = (items[at][0], items[at][1].reshape(1, -1))
+    elif how == "missing":
+        items = items[:at]
+    elif how == "extra":
+        items.append(("surplus.weight", torch.zeros(3)))
+    elif how == "rename":
+        items[at] = (items[at][0] + ".renamed", items[at][1])
+    return items

@@ -30,7 +30,17 @@ _HOMES = {
 }
 
 
+# vLLM's names for the same classes (`vllm.distributed.weight_transfer`), for ported code
+VLLM_NAMES = {
+    "IPCWeightTransferEngine": "IPCWorkerEngine",
+    "IPCTrainerWeightTransferEngine": "IPCTrainerEngine",
+    "IPCWeightTransferInitInfo": "IPCWorkerInitInfo",
+    "IPCWeightTransferUpdateInfo": "IPCUpdateInfo",
+}
+
+
 def __getattr__(name: str) -> Any:
+    name = VLLM_NAMES.get(name, name)
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(name)

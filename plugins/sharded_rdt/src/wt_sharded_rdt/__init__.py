@@ -31,7 +31,17 @@ _HOMES = {
 }
 
 
+# vLLM's names for the same classes (`vllm.distributed.weight_transfer`), for ported code
+VLLM_NAMES = {
+    "ShardedRDTWeightTransferEngine": "ShardedRDTWorkerEngine",
+    "ShardedRDTTrainerWeightTransferEngine": "ShardedRDTTrainerEngine",
+    "ShardedRDTWeightTransferInitInfo": "ShardedRDTWorkerInitInfo",
+    "ShardedRDTWeightTransferUpdateInfo": "ShardedRDTUpdateInfo",
+}
+
+
 def __getattr__(name: str) -> Any:
+    name = VLLM_NAMES.get(name, name)
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(name)

@@ -82,6 +82,7 @@ class Producer:
         peer_timeout_s: float,
         param_digests: Sequence[int] = (),
         verify: bool = False,
+        shard_layouts: dict[str, list[list[int]]] | None = None,
         allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         self.rank = rank
@@ -89,6 +90,7 @@ class Producer:
         self.digest = digest
         self.param_digests = list(param_digests)
         self.verify = verify
+        self.shard_layouts = dict(shard_layouts or {})
         self.held = list(held)
         self.num_buffers = num_buffers
         self.stall_timeout_s = stall_timeout_s
@@ -108,17 +110,21 @@ class Producer:
         self._seen: dict[int, float] = {}
         self._progress = time.monotonic()
         self._error: str | None = None
+        self.served_bytes = 0  # slice bytes served in the current (or last) sync
 
     # -- description ------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         """What a handshake must agree with: this rank, its metadata (one digest in
-        all and one per field of `PARAM_LIST_FIELDS`), its held mask, `verify`."""
+        all and one per field of `PARAM_LIST_FIELDS`), its held mask, `verify`, the
+        layouts of the local shards it serves (empty: it serves full tensors)."""
         return {
             "rank": self.rank,
             "digest": self.digest,
             "param_digests": self.param_digests,
             "held": self.held,
             "verify": self.verify,
+            "shard_layouts": self.shard_layouts,
+            "served_bytes": self.served_bytes,
             "pid": os.getpid(),
         }
 
@@ -133,6 +139,7 @@ class Producer:
             self._published, self._freed_by, self._released = {}, {}, []
             self._cache, self._seen, self._error = {}, {}, None
             self._progress = time.monotonic()
+            self.served_bytes = 0
             for consumer, group in self._early.pop(sync_id, []):
                 self._freed_by.setdefault(group, set()).add(consumer)
             self._early = {s: v for s, v in self._early.items() if s > sync_id}
@@ -300,6 +307,7 @@ class Producer:
             digests_view(slot, layout).copy_(blob_digests(tuple(sizes)).of(0, slot))
         with self._cond:
             self._seen[consumer] = time.monotonic()
+            self.served_bytes += sum(sizes)
             self._touch()
         return slot[:nbytes]
 

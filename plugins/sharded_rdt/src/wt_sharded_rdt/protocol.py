@@ -8,7 +8,9 @@ sets of trainer ranks; `name_owner_class[i]`: the set holding name `i`), the
 producers' names and where to find them (Ray namespace and cluster
 address, for nixl), the transport, the ring depth, the timeouts, and this
 replica's identity (`replica_rank`, filled in by the trainer per replica),
-and `verify` (opt-in verified bytes, below).
+`verify` (opt-in verified bytes, below), and with local shards the layout of
+each sharded parameter (`shard_layouts`: owners, mesh, placements; its slices
+are pulled in pieces, `wt_sharded_rdt.shards`).
 
 Update info (`ShardedRDTUpdateInfo`): the trainer, the sync's number, and the
 live consumers (empty: all). There is no per-sync layout: each consumer's
@@ -63,6 +65,7 @@ from weight_transfer.kits.stream import (
     aligned_layout,
 )
 from weight_transfer.runtime.limits import check_int_range
+from wt_sharded_rdt.shards import decode_layout, encode_layout, shard_pieces
 
 __all__ = [
     "TRANSPORTS",
@@ -113,10 +116,13 @@ def pull_span(lookahead: int) -> int:
 
 
 def metadata_digest(metas: Sequence[ParamMeta]) -> str:
-    """A digest of the names, dtypes and shapes, in order (ranks must agree on it)."""
+    """A digest of the names, dtypes, shapes and shard layouts, in order (ranks must
+    agree on it)."""
     h = hashlib.sha256(str(len(metas)).encode())
     for m in metas:
         h.update(f"\n{m.name}|{dtype_name(m.dtype)}|{list(m.shape)}".encode())
+        if m.placements is not None:
+            h.update(f"|{encode_layout(m)}".encode())
     return h.hexdigest()[:32]
 
 
@@ -168,6 +174,7 @@ class ShardedRDTWorkerInitInfo(WireProtocolInfo, WeightTransferInitInfo):
     trainer_id: str = ""
     replace: bool = False
     verify: bool = False
+    shard_layouts: dict[str, list[list[int]]] = field(default_factory=dict)
     metas: list[ParamMeta] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -233,7 +240,16 @@ class ShardedRDTWorkerInitInfo(WireProtocolInfo, WeightTransferInitInfo):
         for i, (n, d, s) in enumerate(zip(self.names, self.dtype_names, self.shapes, strict=True)):
             if any(x < 0 for x in s):
                 raise ValueError(f"{what}: field 'shapes[{i}]' has a negative dimension")
-            self.metas.append(ParamMeta(n, dtype_from_name(d, field=f"dtype_names[{i}]"), tuple(s)))
+            meta = ParamMeta(n, dtype_from_name(d, field=f"dtype_names[{i}]"), tuple(s))
+            layout = self.shard_layouts.get(n)
+            if layout is not None:
+                meta = decode_layout(meta, layout, field=f"shard_layouts[{n}]")
+            self.metas.append(meta)
+        unknown = sorted(set(self.shard_layouts) - set(self.names))
+        if unknown:
+            raise ValueError(
+                f"{what}: field 'shard_layouts' names {unknown[0]!r}, which 'names' does not"
+            )
 
     def groups(self) -> list[list[str]]:
         out: list[list[str]] = []
@@ -269,16 +285,37 @@ class ShardedRDTUpdateInfo(WeightTransferUpdateInfo):
 
 
 class Router:
-    """Which producer serves a consumer's pull, and who counts its frees."""
+    """Which producer serves a consumer's pull, and who counts its frees.
+
+    A sharded parameter among `metas` (local shards: placements declared) is
+    pulled in pieces (`shard_pieces`), each from the owners holding it; its
+    owner sets join `owner_sets` as they are first met.
+    """
 
     def __init__(
         self,
         owner_sets: Sequence[Sequence[int]],
         name_owner_class: Sequence[int],
         names: Sequence[str],
+        metas: Sequence[ParamMeta] = (),
     ) -> None:
         self.owner_sets = [list(s) for s in owner_sets]
         self.class_of = dict(zip(names, name_owner_class, strict=True))
+        self.sharded = {m.name: m for m in metas if m.placements is not None}
+        self._set_index = {tuple(s): i for i, s in enumerate(self.owner_sets)}
+
+    def pieces(self, name: str, scatter: Scatter) -> list[tuple[int, Scatter]]:
+        """What a consumer pulls for `scatter`: `(owner class, scatter)` pairs."""
+        meta = self.sharded.get(name)
+        if meta is None:
+            return [(self.class_of[name], scatter)]
+        out = []
+        for owners, piece in shard_pieces(meta, scatter):
+            index = self._set_index.setdefault(tuple(owners), len(self.owner_sets))
+            if index == len(self.owner_sets):
+                self.owner_sets.append(list(owners))
+            out.append((index, piece))
+        return out
 
     def owners(self, name: str) -> list[int]:
         return self.owner_sets[self.class_of[name]]
@@ -492,16 +529,16 @@ def build_plan(
 
     for gi, names in enumerate(groups):
         by_class: dict[int, list[tuple[FetchKey, list[Scatter]]]] = {}
-        index_of: dict[FetchKey, tuple[int, int]] = {}
+        index_of: dict[tuple[int, FetchKey], int] = {}  # a key is a chain on its owners' tensor
         for name in names:
-            for scatter in record.scatters.get(name, ()):
-                cls = router.class_of[name]
-                entries = by_class.setdefault(cls, [])
-                if scatter.key in index_of:
-                    entries[index_of[scatter.key][1]][1].append(scatter)
-                    continue
-                index_of[scatter.key] = (cls, len(entries))
-                entries.append((scatter.key, [scatter]))
+            for whole in record.scatters.get(name, ()):
+                for cls, scatter in router.pieces(name, whole):
+                    entries = by_class.setdefault(cls, [])
+                    if (cls, scatter.key) in index_of:
+                        entries[index_of[cls, scatter.key]][1].append(scatter)
+                        continue
+                    index_of[cls, scatter.key] = len(entries)
+                    entries.append((scatter.key, [scatter]))
         if not by_class:
             pre_free.append(gi)
             continue

@@ -12,7 +12,8 @@ here is a collective: the producers carry each rank's description, so
 
 `send_weights`, on every rank, once per sync: the sender opens a round on
 the workers (`update_weights` in flight: they pull inside it) and every rank
-runs the gather loop: for each of its groups (`WeightSource.iter_groups`),
+runs the gather loop: for each of its groups (`WeightSource.iter_groups`, or
+with `local_shards` its own pieces from `iter_local`, so nothing gathers),
 wait while more than `gather_lookahead` groups are published and not yet
 freed by every live consumer, then publish the group's held tensors. The
 loop ends when all its groups are freed. Waits poll the producer, so the
@@ -25,8 +26,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -48,6 +50,7 @@ from weight_transfer.resync import param_list_digests
 from weight_transfer.runtime.finite import first_non_finite
 from weight_transfer.runtime.limits import check_int_range
 from weight_transfer.runtime.round_client import fleet_of
+from weight_transfer.runtime.sources import local_box
 from weight_transfer.runtime.waiting import PEER_GRACE_S, in_background, wait_for
 from weight_transfer.source import layerwise_groups
 from wt_sharded_rdt.links import host_producer, producer_client, ray_location
@@ -62,6 +65,7 @@ from wt_sharded_rdt.protocol import (
     metadata_digest,
     owner_table,
 )
+from wt_sharded_rdt.shards import encode_layout
 from wt_sharded_rdt.transport import ProducerClient, ProducerHost, forwarded_env
 
 __all__ = ["ShardedRDTTrainerInitInfo", "ShardedRDTTrainerEngine"]
@@ -94,6 +98,12 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
     `verify`: every pulled blob carries the digests of its slices, which the
     consumer checks before scattering it (a mismatch fails the sync naming
     the parameter; it costs about two passes over the bytes on each side).
+    `local_shards`: each rank publishes its local piece of every parameter it
+    owns (`iter_local`, laid out by `ParamMeta.placements`) and consumers pull
+    the pieces their slices need from the ranks that hold them, so no rank
+    ever gathers a full tensor (`wt_sharded_rdt.shards`); `None` (default):
+    when the source implements `iter_local` and declares a sharded parameter
+    (`ModuleSource` over FSDP2 / DTensor parameters does).
     """
 
     backend: ClassVar[str] = "sharded_rdt"
@@ -112,6 +122,7 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
     actor_env: dict[str, str] = field(default_factory=dict, kw_only=True)
     replace_trainer: bool = field(default=False, kw_only=True)
     verify: bool = field(default=False, kw_only=True)
+    local_shards: bool | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         what = type(self).__name__
@@ -163,14 +174,28 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
         info: ShardedRDTTrainerInitInfo,
     ) -> None:
         super().__init__(
-            client=client, source=source, is_sender=info.is_sender, timeout_s=info.timeout_s
+            client=client,
+            source=source,
+            is_sender=info.is_sender,
+            timeout_s=info.timeout_s,
+            rank=info.rank,
         )
         self.info = info
+        source = self.source
         self.metas = source.metadata()
         self.groups = layerwise_groups(m.name for m in self.metas)
         self.group_of = {n: gi for gi, names in enumerate(self.groups) for n in names}
         self.meta_of = {m.name: m for m in self.metas}
         self.held = _held_names(source.held_names(), self.meta_of)
+        self.local = _sends_local_shards(info.local_shards, source, self.metas)
+        self.layouts: dict[str, list[list[int]]] = {}
+        self.shape_of = {m.name: tuple(m.shape) for m in self.metas}
+        if self.local:
+            self.held = frozenset(n for n in self.held if self.meta_of[n].owned_by(info.rank))
+            self.layouts = {m.name: encode_layout(m) for m in self.metas if m.placements}
+            for name in self.held:
+                box = local_box(self.meta_of[name], info.rank)
+                self.shape_of[name] = tuple(n for _, n in box)
         self.digest = metadata_digest(self.metas)
         self.owned = [
             gi for gi, names in enumerate(self.groups) if any(n in self.held for n in names)
@@ -180,7 +205,7 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
             if info.gather_lookahead is not None
             else auto_lookahead(
                 [aligned_layout([self.meta_of[n].nbytes for n in g])[1] for g in self.groups]
-            )
+            )  # from the metadata alone, so every rank derives the same
         )
         self.sync_id = 0
         self.check_finite = True  # refuse NaN / infinity before they are published
@@ -219,7 +244,7 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
         info = self.info
         staging = 0
         for gi in self.owned:
-            sizes = [self.meta_of[n].nbytes for n in self.groups[gi] if n in self.held]
+            sizes = [self._nbytes(n) for n in self.groups[gi] if n in self.held]
             staging = max(staging, aligned_layout(sizes)[1])
         self.host = host_producer(
             info.transport,
@@ -235,6 +260,7 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                 "peer_timeout_s": info.peer_timeout_s,
                 "param_digests": param_list_digests(param_list_payload(self.metas)),
                 "verify": info.verify,
+                "shard_layouts": self.layouts,
             },
             staging_bytes=staging,
             staging_slots=self.lookahead + 1,
@@ -305,6 +331,7 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                 trainer_id=self.trainer_id,
                 replace=info.replace_trainer,
                 verify=info.verify,
+                shard_layouts=self.layouts,
             )
         )
 
@@ -385,7 +412,8 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
         host.begin_sync(sync_id, live)
         try:
             in_flight: set[int] = set()
-            for names, tensors in source.iter_groups():
+            groups = self._local_groups() if self.local else source.iter_groups()
+            for names, tensors in groups:
                 group = self._check_group(names)
                 batch = self._held_batch(names, tensors)
                 if not batch:
@@ -413,6 +441,36 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                     raise reported from error  # a worker failed: its own error says why
             raise
 
+    def _local_groups(self) -> Iterator[tuple[list[str], list[torch.Tensor | None]]]:
+        """`iter_local()` in gather groups, None for the names this rank does not own;
+        `ValueError` names the parameter where it strays from metadata order."""
+        assert self.source is not None
+        pairs = iter(self.source.iter_local())
+        rank = self.info.rank
+        for names in self.groups:
+            tensors: list[torch.Tensor | None] = []
+            for name in names:
+                if name not in self.held:
+                    tensors.append(None)
+                    continue
+                pair = next(pairs, None)
+                if pair is None or pair[0] != name:
+                    got = "nothing more" if pair is None else repr(pair[0])
+                    raise ValueError(
+                        f"iter_local() on rank {rank} yielded {got} where {name!r} comes next "
+                        "(the names this rank owns, in metadata order)"
+                    )
+                tensors.append(pair[1])
+            yield names, tensors
+        extra = next(pairs, None)
+        if extra is not None:
+            raise ValueError(
+                f"iter_local() on rank {rank} yielded {extra[0]!r} after every name it owns"
+            )
+
+    def _nbytes(self, name: str) -> int:
+        return math.prod(self.shape_of[name]) * self.meta_of[name].dtype.itemsize
+
     def _check_group(self, names: list[str]) -> int:
         group = self.group_of.get(names[0], -1) if names else -1
         if group < 0 or names != self.groups[group]:
@@ -438,11 +496,12 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                 raise RuntimeError(
                     f"{name!r} is not in held_names() but the source yielded a tensor for it"
                 )
-            meta = self.meta_of[name]
-            if tensor.dtype != meta.dtype or tuple(tensor.shape) != tuple(meta.shape):
+            meta, shape = self.meta_of[name], self.shape_of[name]
+            if tensor.dtype != meta.dtype or tuple(tensor.shape) != shape:
+                what = "its local piece on this rank is" if self.local else "metadata() says"
                 raise ValueError(
                     f"{name!r} disagrees with metadata: the source yielded {tensor.dtype} "
-                    f"{list(tensor.shape)}, metadata() says {meta.dtype} {list(meta.shape)}"
+                    f"{list(tensor.shape)}, {what} {meta.dtype} {list(shape)}"
                 )
             batch[name] = tensor.detach()
         if self.check_finite:  # the group at once: one host read
@@ -483,6 +542,21 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
             self.host.close()
             self.host = None
         self.peers = []
+
+
+def _sends_local_shards(
+    asked: bool | None, source: WeightSource, metas: Sequence[ParamMeta]
+) -> bool:
+    sharded = any(m.placements is not None for m in metas)
+    has_local = bool(source.implements_iter_local())
+    if asked is None:
+        return sharded and has_local
+    if asked and not has_local:
+        raise ValueError(
+            f"ShardedRDTTrainerInitInfo: field 'local_shards' is True, but "
+            f"{type(getattr(source, 'source', source)).__name__} implements no iter_local()"
+        )
+    return asked
 
 
 def _held_names(held: Collection[str] | None, meta_of: dict[str, ParamMeta]) -> frozenset[str]:

@@ -171,7 +171,9 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
         groups = init_info.groups()
         self.group_of = {n: gi for gi, names in enumerate(groups) for n in names}
         record, zero = bake(self.new_loader(), [[metas[n] for n in names] for names in groups])
-        router = Router(init_info.owner_sets, init_info.name_owner_class, init_info.names)
+        router = Router(
+            init_info.owner_sets, init_info.name_owner_class, init_info.names, init_info.metas
+        )
         plan = build_plan(
             record,
             groups,
@@ -483,6 +485,11 @@ def check_producers(info: ShardedRDTWorkerInitInfo, described: list[dict[str, An
                     f"init_info: field {field!r} disagrees with the metadata producer {name!r} "
                     "serves (the handshake is not this trainer's)"
                 )
+        if producer.get("shard_layouts", {}) != info.shard_layouts:
+            raise ValueError(
+                f"init_info: field 'shard_layouts' disagrees with the shards producer {name!r} "
+                "serves"
+            )
         if bool(producer["verify"]) != info.verify:
             raise ValueError(
                 f"init_info: field 'verify' is {info.verify}, producer {name!r} serves with "

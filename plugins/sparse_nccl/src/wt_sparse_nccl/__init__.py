@@ -32,3 +32,15 @@ __all__ = [
     "patcher_for",
     "register_patcher_provider",
 ]
+
+# vLLM's names for the same classes (`vllm.distributed.weight_transfer`), for ported code
+SparseNCCLWeightTransferEngine = SparseNCCLWorkerEngine
+SparseNCCLTrainerWeightTransferEngine = SparseNCCLTrainerEngine
+SparseNCCLWeightTransferInitInfo = SparseNCCLInitInfo
+SparseNCCLWeightTransferUpdateInfo = SparseNCCLUpdateInfo
+VLLM_NAMES = {
+    "SparseNCCLWeightTransferEngine": "SparseNCCLWorkerEngine",
+    "SparseNCCLTrainerWeightTransferEngine": "SparseNCCLTrainerEngine",
+    "SparseNCCLWeightTransferInitInfo": "SparseNCCLInitInfo",
+    "SparseNCCLWeightTransferUpdateInfo": "SparseNCCLUpdateInfo",
+}
