@@ -147,3 +147,28 @@ def bench(session: nox.Session) -> None:
     install_stack(session)
     session.install(RAY, NIXL, "matplotlib")
     session.run("wt", "bench", *session.posargs)
+
+
+VLLM_CUDA_NEXT = "vllm==0.33.0"  # the build GPU users install today
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The GPU script, for a machine with CUDA: the GPU tests and a live vLLM 0.33.
+
+    Installs vLLM 0.33.0 (CUDA build), runs `tests/gpu` (CUDA IPC, NCCL,
+    sharded_rdt), the engine checks against the installed vLLM's worker
+    (`tests/vllm/test_vllm_contract.py`) and a live `LLM` synced by every
+    backend (`tests/vllm/test_local.py`), then the GPU benchmark. Skipped
+    without CUDA.
+    """
+    if not has_cuda():
+        session.skip("needs CUDA (nvidia-smi)")
+    session.install(VLLM_CUDA_NEXT)
+    session.install(*DISTRIBUTIONS)
+    session.install(*TEST_DEPS)
+    session.run(
+        "pytest", "tests/gpu", "tests/vllm/test_vllm_contract.py", "tests/vllm/test_local.py",
+        "-m", "not extended", *session.posargs,
+    )  # fmt: skip
+    session.run("python", "-m", "wt_tools.gpu_bench", "--out", "bench-results/gpu.json")

@@ -1,0 +1,77 @@
+"""wt's worker engines against vLLM's worker-facing code, read from source.
+
+Two vLLMs: the one installed here (0.32 on CPU; 0.33 where the GPU build is
+installed), read live; and vLLM 0.33.0 as read from its wheel
+(`vllm/v1/worker/gpu_worker.py`, `vllm/distributed/weight_transfer/base.py`
+and `factory.py` of `vllm==0.33.0`), kept below. Checked: every attribute the
+worker reads on its engine exists on every first-party wt engine, and the
+engine's constructor and the factory's `create_engine` take the arguments
+vLLM passes, by name and in order. (A live 0.33 engine runs in the GPU
+script, where the GPU build is installed.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from weight_transfer import WeightTransferEngineFactory
+
+pytest.importorskip("vllm")
+
+ENGINE_ARGS = ("config", "vllm_config", "device", "model")
+
+VLLM_0_33_0: dict[str, Any] = {
+    "engine_calls": {
+        "finish_weight_update",
+        "init_transfer_engine",
+        "parse_init_info",
+        "reset_weight_update_target",
+        "set_weight_update_target",
+        "shutdown",
+        "start_weight_update",
+        "supports_draft_weight_update",
+        "update_weights",
+    },
+    "engine_init": ENGINE_ARGS,
+    "create_engine": ENGINE_ARGS,
+}
+
+
+def installed_vllm() -> dict[str, Any]:
+    """The same facts, read from the vLLM installed here."""
+    from vllm.distributed.weight_transfer import base, factory
+
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.submodule_search_locations
+    root = Path(next(iter(spec.submodule_search_locations)))
+    worker = root / "v1" / "worker" / "gpu_worker.py"
+    calls = set(re.findall(r"weight_transfer_engine\.(\w+)", worker.read_text()))
+    return {
+        "engine_calls": calls,
+        "engine_init": _parameters(base.WeightTransferEngine.__init__),
+        "create_engine": _parameters(factory.WeightTransferEngineFactory.create_engine),
+    }
+
+
+def _parameters(function: Any) -> tuple[str, ...]:
+    return tuple(n for n in inspect.signature(function).parameters if n not in ("self", "cls"))
+
+
+@pytest.mark.parametrize("which", ["vllm-0.33.0", "installed"])
+def test_every_engine_answers_what_vllms_worker_calls_with_its_arguments(which: str) -> None:
+    facts = VLLM_0_33_0 if which == "vllm-0.33.0" else installed_vllm()
+    assert facts["engine_calls"] >= {"init_transfer_engine", "update_weights"}, facts
+    assert facts["create_engine"] == ENGINE_ARGS
+    assert _parameters(WeightTransferEngineFactory.create_engine) == facts["create_engine"]
+    registry = WeightTransferEngineFactory.registry
+    for name in ("nccl", "ipc", "sparse_nccl", "sharded_rdt", "example_file"):
+        engine = registry.resolve(name)
+        missing = sorted(c for c in facts["engine_calls"] if not hasattr(engine, c))
+        assert not missing, f"{name}: {engine.__name__} lacks {missing} ({which})"
+        assert _parameters(engine.__init__) == facts["engine_init"], (name, which)
