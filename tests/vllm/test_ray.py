@@ -109,6 +109,13 @@ def test_ray_actor_sync_over_ipc(
             with pytest.raises(WeightSyncRPCError, match="down_proj"):
                 trainer.send_weights()
             assert generate(actor) == references.outputs(2)
+            # vLLM's release of the trainer connection: inference goes on, and the
+            # trainer's next round re-admits the worker
+            client.inner.shutdown_weight_transfer_engine()
+            assert generate(actor) == references.outputs(2)
+            source.inner = ModuleSource(hf_model(3))
+            trainer.send_weights()
+            assert generate(actor) == references.outputs(3)
         finally:
             trainer.shutdown()
     finally:

@@ -241,6 +241,26 @@ class _PausingClient:
     def _reset_prefix_cache(self) -> None:
         self._call("reset_prefix_cache")
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Release every worker's trainer connection; inference goes on, and the
+        trainer's next round re-admits the workers. Refused during a round."""
+        self._call("collective_rpc", release_trainer)
+
+
+def release_trainer(worker: Any) -> None:
+    """In a vLLM worker (`collective_rpc`): vLLM 0.33's
+    `shutdown_weight_transfer_engine`, or the same on 0.32's worker, which lacks it."""
+    own = getattr(worker, "shutdown_weight_transfer_engine", None)
+    if callable(own):
+        own()
+        return
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if engine is None:
+        return
+    if getattr(engine, "round_open", False):
+        raise RuntimeError("cannot release the trainer connection during a weight update")
+    engine.shutdown()
+
 
 class HTTPVLLMWeightSyncClient(_PausingClient):
     """A vLLM API server's RL routes over HTTP (`VLLM_SERVER_DEV_MODE=1` on the server).

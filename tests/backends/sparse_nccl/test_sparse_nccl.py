@@ -505,3 +505,31 @@ def test_a_refused_update_keeps_the_group_and_a_torn_down_one_is_re_formed_by_th
         with pytest.raises(RuntimeError, match=r"no transfer group .*shut down"):
             engine.begin()
         assert client.calls == []
+
+
+def test_cast_values_lands_floating_point_patches_in_their_targets_dtype(
+    gen: torch.Generator,
+) -> None:
+    """`cast_values`: bf16 values into an fp32 parameter land as their fp32 casts (as
+    vLLM's own sparse backend does); a non-float patch is still refused, naming it."""
+    with WorkerPool("sparse_nccl", 1, model_factory=MODEL_FACTORY) as pool:
+        info = SparseNCCLTrainerInitInfo(
+            "127.0.0.1", free_port(), 2, rank=0, timeout_s=TIMEOUT_S, device="cpu",
+            cast_values=True,
+        )  # fmt: skip
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=pool.client(timeout_s=60))
+        try:
+            state = initial_state()
+            fp32 = random_patch(W0, state, 20, gen, specials=True)
+            bf16 = SparseWeightPatch(W0, fp32.indices, fp32.values.bfloat16(), fp32.full_shape)
+            engine.send_weights([bf16])
+            cast = SparseWeightPatch(W0, fp32.indices, bf16.values.float(), fp32.full_shape)
+            want = applied(state, [cast])
+            assert_same_bits(pool.each("state_dict")[0], want)
+            assert not torch.equal(want[W0], applied(state, [fp32])[W0])  # the cast mattered
+            ints = SparseWeightPatch(B1, torch.tensor([3]), torch.ones(1, dtype=torch.int32), (8,))
+            with pytest.raises(WeightSyncRPCError, match=r"patch 0 \('layers\.1\.bias'\)"):
+                engine.send_weights([ints])
+            assert_same_bits(pool.each("state_dict")[0], want)
+        finally:
+            engine.shutdown()

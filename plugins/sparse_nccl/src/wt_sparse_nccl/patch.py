@@ -22,6 +22,7 @@ __all__ = [
     "check_indices",
     "check_indices_of",
     "check_patches",
+    "check_dtype",
 ]
 
 INDEX_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
@@ -140,3 +141,14 @@ def check_patches(patches: Sequence[SparseWeightPatch]) -> None:
         where.append(f"patch {i} ({patch.name!r})")
         _check_patch(patch, where[-1])
     check_indices_of(patches, where)
+
+
+def check_dtype(
+    values: torch.dtype, target: torch.dtype, cast: bool, where: str, what: str
+) -> None:
+    """Refuse `values` for a tensor of dtype `target`, unless they are equal or, with
+    `cast`, both floating point (the values are then cast)."""
+    if values == target or (cast and values.is_floating_point and target.is_floating_point):
+        return
+    remedy = "" if cast else " (cast_values=True on the trainer casts floating-point values)"
+    raise ValueError(f"{where}: values are {values}, {what} is {target}{remedy}")

@@ -70,10 +70,16 @@ logger = logging.getLogger("weight_transfer")
 class SparseNCCLTrainerInitInfo(TrainerInitInfo, GroupTrainerFields):
     """Where rank 0 hosts the group, its size (1 + workers), its wait bound and
     device (see `GroupTrainerFields`); the device type must match the workers'.
-    `verify`: every batch carries digests of its bytes, checked by the workers."""
+    `verify`: every batch carries digests of its bytes, checked by the workers.
+    `cast_values`: the workers cast a patch's floating-point values to the dtype
+    of the tensor it patches (bf16 deltas into an fp32 checkpoint, as vLLM's
+    own sparse backend does); off (default), a dtype mismatch is refused,
+    naming the patch, and nothing of its batch is applied.
+    """
 
     backend: ClassVar[str] = BACKEND
     verify: bool = field(default=False, kw_only=True)
+    cast_values: bool = field(default=False, kw_only=True)
 
 
 @dataclass
@@ -131,7 +137,9 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
     def connect(self) -> None:
         """Host the group's rendezvous while every worker joins (their init runs concurrently)."""
         fields = self.info.worker_group_fields(self.trainer_id)
-        worker_info = SparseNCCLInitInfo(**fields, verify=self.info.verify)
+        worker_info = SparseNCCLInitInfo(
+            **fields, verify=self.info.verify, cast_values=self.info.cast_values
+        )
         self.channel.connect(trainer_rendezvous(self.client, payload_of(worker_info), self.info))
 
     def reconnect(self) -> None:

@@ -74,6 +74,7 @@ from weight_transfer.backend import Revertible, loader_for
 from weight_transfer.source import layer_key, layerwise_groups
 from weight_transfer.vllm import is_vllm_config
 from weight_transfer.vllm.loader import quiet_reload_warnings
+from wt_sparse_nccl.patch import check_dtype
 
 __all__ = ["CheckpointMirror", "MirrorPatcher", "vllm_patcher"]
 
@@ -282,7 +283,10 @@ class _HeldRound:
 
 
 class MirrorPatcher:
-    """The `SparsePatcher` (and `Revertible`) for a model inside vLLM; see the module docstring."""
+    """The `SparsePatcher` (and `Revertible`) for a model inside vLLM; see the module docstring.
+    With `cast_values` floating-point values are cast to the checkpoint tensor's dtype."""
+
+    cast_values = False
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any) -> None:
         self.model = model
@@ -319,11 +323,14 @@ class MirrorPatcher:
                 f"{where}: full shape {list(patch.full_shape)} differs from the "
                 f"checkpoint tensor's shape {list(entry.shape)}"
             )
-        if patch.values.dtype != entry.dtype:
-            stored = entry.dtype if entry.dtype is not None else entry.dtype_name
+        if entry.dtype is None:
             raise ValueError(
-                f"{where}: values are {patch.values.dtype}, the checkpoint tensor is {stored}"
+                f"{where}: values are {patch.values.dtype}, the checkpoint tensor is "
+                f"{entry.dtype_name}"
             )
+        check_dtype(
+            patch.values.dtype, entry.dtype, self.cast_values, where, "the checkpoint tensor"
+        )
 
     @torch.no_grad()
     def apply(self, patch: Any) -> None:
@@ -335,7 +342,7 @@ class MirrorPatcher:
         index = patch.indices.to(device=flat.device, dtype=torch.int64)
         old = flat.index_select(0, index)
         self._undo.append((flat, index, old))
-        flat.index_copy_(0, index, patch.values.to(flat.device))
+        flat.index_copy_(0, index, patch.values.to(flat.device, flat.dtype))
         self._touched.add(mirror.group_of[patch.name])
 
     def commit(self, keep_undo: bool = False) -> None:

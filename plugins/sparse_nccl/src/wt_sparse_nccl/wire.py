@@ -74,10 +74,12 @@ HEADER_WORDS = len(DECLARED_FIELDS) + 1 + 2 * MAX_WIRE_GROUPS
 
 @dataclass
 class SparseNCCLInitInfo(GroupInitInfo):
-    """Worker init info: where the trainer's group is, its size, its timeout, and
-    whether every batch carries digests of its bytes (`verify`)."""
+    """Worker init info: where the trainer's group is, its size, its timeout,
+    whether every batch carries digests of its bytes (`verify`), and whether
+    floating-point values are cast to their target's dtype (`cast_values`)."""
 
     verify: bool = field(default=False, kw_only=True)
+    cast_values: bool = field(default=False, kw_only=True)
 
 
 @dataclass

@@ -51,7 +51,7 @@ from weight_transfer.kits.group import StatelessGroup, join_group
 from weight_transfer.kits.stream import DIGEST_DTYPE, RECEIVE_HOOKS, BucketDigests, DigestMismatch
 from weight_transfer.runtime.limits import host_memory_bytes
 from weight_transfer.vllm import is_vllm_config
-from wt_sparse_nccl.patch import SparseWeightPatch, check_indices_of
+from wt_sparse_nccl.patch import SparseWeightPatch, check_dtype, check_indices_of
 from wt_sparse_nccl.wire import (
     HEADER_WORDS,
     BatchHeader,
@@ -107,8 +107,12 @@ class InPlacePatcher:
     shape and its values dtype the parameter's dtype (no silent casts); the
     parameter must be contiguous. The undo log holds the old values at the
     patched positions: O(nnz) per round; `commit(keep_undo=True)` keeps it
-    for `revert()` until `release()`.
+    for `revert()` until `release()`. With `cast_values` (set by the engine
+    from its handshake) floating-point values of another floating dtype are
+    cast to the parameter's.
     """
+
+    cast_values = False
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -129,10 +133,7 @@ class InPlacePatcher:
                 f"{where}: full shape {list(patch.full_shape)} differs from the "
                 f"parameter's shape {list(param.shape)}"
             )
-        if param.dtype != patch.values.dtype:
-            raise ValueError(
-                f"{where}: values are {patch.values.dtype}, the parameter is {param.dtype}"
-            )
+        check_dtype(patch.values.dtype, param.dtype, self.cast_values, where, "the parameter")
         if not param.is_contiguous():
             raise ValueError(
                 f"{where}: the parameter is not contiguous; it cannot be patched in place"
@@ -146,7 +147,7 @@ class InPlacePatcher:
         with torch.no_grad():
             old = flat.index_select(0, index)
             self._undo.append((flat, index, old))
-            flat.index_copy_(0, index, patch.values.to(flat.device))
+            flat.index_copy_(0, index, patch.values.to(flat.device, flat.dtype))
 
     def commit(self, keep_undo: bool = False) -> None:
         undo, self._undo = self._undo, None
@@ -279,15 +280,20 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
             remedy="the trainer re-forms the group at its next round (or run trainer_init)",
         )
         self.verify = False
+        self.cast_values = False
 
     def init_transfer_engine(self, init_info: SparseNCCLInitInfo) -> None:
         self.channel.drop("the last init_weight_transfer_engine failed")
         group = join_group(init_info, self.position, self.device)
         self.verify = init_info.verify
+        self.cast_values = init_info.cast_values
         self.channel.connect(group)
 
     def new_transaction(self) -> SparsePatcher:
-        return patcher_for(self.model, self.vllm_config)
+        patcher = patcher_for(self.model, self.vllm_config)
+        if self.cast_values and hasattr(patcher, "cast_values"):  # the built-in patchers
+            patcher.cast_values = True
+        return patcher
 
     def receive_weights(self, update_info: SparseNCCLUpdateInfo) -> None:
         """Receive the whole batch as the trainer's header sizes it, check it whole,
