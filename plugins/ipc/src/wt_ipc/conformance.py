@@ -17,9 +17,9 @@ def trainer_info(
 ) -> Any:
     from wt_ipc import IPCTrainerInitInfo
 
-    return IPCTrainerInitInfo(
-        rank=0, num_workers=workers, timeout_s=timeout_s, replace_trainer=replace, **wire
-    )
+    # num_workers left out: derived from the workers that attach (as a port of vLLM's
+    # examples, which do not pass it, has it)
+    return IPCTrainerInitInfo(rank=0, timeout_s=timeout_s, replace_trainer=replace, **wire)
 
 
 PROFILE = Profile("ipc", trainer_info, wire_modes=STREAM_WIRE_MODES)

@@ -97,14 +97,18 @@ class IPCTrainerInitInfo(WireParams, TrainerInitInfo):
     packed and unpacked mode alike (unpacked puts one parameter per bucket).
     `num_workers` is how many inference workers read them (every TP rank of
     every colocated replica); `trainer_init` fails unless exactly that many
-    attach. `device` is where the source's tensors live and picks the plane:
+    attach. Left out (None), it is the number of workers that attach during
+    the workers' init, which vLLM's `init_weight_transfer_engine` returns from
+    only once every worker of the engine has: their global indexes must be
+    0..n-1. A CUDA trainer must set it (it exports its buffers once per
+    worker before any attaches). `device` is where the source's tensors live and picks the plane:
     CPU -> shared memory, CUDA -> CUDA IPC (default: the current CUDA device
     when there is one).
     """
 
     backend: ClassVar[str] = "ipc"
     packed_buffer_size_bytes: int = DEFAULT_IPC_BUFFER_BYTES
-    num_workers: int = field(default=1, kw_only=True)
+    num_workers: int | None = field(default=None, kw_only=True)
     timeout_s: float = field(default=300.0, kw_only=True)
     device: str | None = field(default=None, kw_only=True)
     replace_trainer: bool = field(default=False, kw_only=True)
@@ -112,7 +116,10 @@ class IPCTrainerInitInfo(WireParams, TrainerInitInfo):
     def __post_init__(self) -> None:
         what = type(self).__name__
         check_timeout(self.timeout_s, field="timeout_s", what=what)
-        check_int_range(self.num_workers, field="num_workers", what=what, low=1, high=MAX_WORKERS)
+        if self.num_workers is not None:
+            check_int_range(
+                self.num_workers, field="num_workers", what=what, low=1, high=MAX_WORKERS
+            )
         self.validate(what, staged=True)
         if self.verify:
             digest_room(self, what)
@@ -180,13 +187,18 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
     def _attach_workers(self, *, replace: bool) -> None:
         info = self.info
         plane = "cuda" if self.device.type == "cuda" else "shm"
+        if plane == "cuda" and info.num_workers is None:
+            raise ValueError(
+                "IPCTrainerInitInfo: field 'num_workers' must be set for a CUDA trainer (its "
+                "buffers are exported once per worker before any attaches)"
+            )
         nonce = secrets.randbits(63)
         staging = TrainerStaging.create(
             plane,
             info.packed_num_buffers,
             info.packed_buffer_size_bytes,
             self.device,
-            readers=info.num_workers,
+            readers=info.num_workers or 0,
             seal=StagingSeal(self.wire, self.trainer_id, nonce),
         )
         listener: LocalListener | None = None
@@ -255,7 +267,9 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         return links
 
     def _check_hellos(self, links: list[LocalLink]) -> None:
-        expected = self.info.num_workers
+        expected = self.info.num_workers if self.info.num_workers is not None else len(links)
+        if not links:
+            raise ValueError("no worker attached during the workers' init_weight_transfer_engine")
         if len(links) != expected:
             raise ValueError(
                 f"IPCTrainerInitInfo: field 'num_workers' is {expected}, but {len(links)} "
