@@ -87,6 +87,24 @@ def test_http_ipc_rounds_a_failure_and_syncs_under_traffic(
     finally:
         trainer.shutdown()
         http.close()
+    # vLLM's examples/rl/rlhf_http_ipc.py as its users port it (two imports, the
+    # backend name): the factory with `IPCTrainerInitInfo(rank=0, packed=False)` (its
+    # default buffer, no worker count), the server's own /pause and /resume around
+    from weight_transfer import WeightTransferTrainerFactory
+    from wt_ipc import IPCTrainerInitInfo
+
+    engine = WeightTransferTrainerFactory.trainer_init(
+        init_info=IPCTrainerInitInfo(rank=0, packed=False),
+        client=HTTPVLLMWeightSyncClient(server.url),
+        source=ModuleSource(hf_model(2)),
+    )
+    try:
+        server.http.post("/pause").raise_for_status()
+        engine.send_weights()
+        server.http.post("/resume").raise_for_status()
+        assert server.generate() == references.outputs(2)
+    finally:
+        engine.shutdown()
 
 
 def _engine_processes(pid: int) -> list[int]:

@@ -118,8 +118,48 @@ def test_ray_actor_sync_over_ipc(
             assert generate(actor) == references.outputs(3)
         finally:
             trainer.shutdown()
+        # vLLM's examples/rl/rlhf_ipc.py as its users port it: a trainer in a Ray actor
+        # building its engine with the factory, `IPCTrainerInitInfo(rank=0, packed=False)`
+        # (no worker count), the engine's own sleep / wake_up around the sync
+        example = ray_cluster.remote(num_cpus=0)(_example_trainer_class()).remote(actor, 2)
+        ray.get(actor.sleep.remote(level=0), timeout=60)
+        ray.get(example.init_weight_transfer.remote(), timeout=120)
+        ray.get(example.broadcast_weights.remote(), timeout=120)
+        ray.get(actor.wake_up.remote(tags=["scheduling"]), timeout=60)
+        assert generate(actor) == references.outputs(2)
     finally:
         ray_cluster.kill(actor)
+
+
+def _example_trainer_class() -> type:
+    """The trainer actor of vLLM's `rlhf_ipc.py` example, with wt's two imports (and a
+    CPU model); defined in a function so Ray ships the class by value to the actor."""
+
+    class TrainModel:
+        def __init__(self, llm_handle: Any, seed: int) -> None:
+            from wt_tools.tiny_model import tiny_llama
+
+            self.train_model = tiny_llama(seed=seed)
+            self.llm_handle = llm_handle
+
+        def init_weight_transfer(self) -> None:
+            from weight_transfer import (
+                ModuleSource,
+                RayVLLMWeightSyncClient,
+                WeightTransferTrainerFactory,
+            )
+            from wt_ipc import IPCTrainerInitInfo
+
+            self.engine = WeightTransferTrainerFactory.trainer_init(
+                init_info=IPCTrainerInitInfo(rank=0, packed=False),
+                client=RayVLLMWeightSyncClient(self.llm_handle),
+                source=ModuleSource(self.train_model),
+            )
+
+        def broadcast_weights(self) -> None:
+            self.engine.send_weights()
+
+    return TrainModel
 
 
 def _async_llm_actor_class() -> type:
