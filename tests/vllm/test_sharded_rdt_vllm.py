@@ -185,9 +185,12 @@ def test_fsdp2_ranks_sync_live_engines_from_their_own_shards(
     from tests.backends.sharded_rdt.ray_parts import FsdpRank
     from weight_transfer.kits.group import free_port
 
+    def weights(seed: int) -> Any:  # the tiny Llama's tensors, through Ray's object store
+        return ray.put({n: p.detach() for n, p in hf_model(seed).named_parameters()})
+
     rank_cls = cluster.remote(num_cpus=0)(FsdpRank)
     port = free_port()
-    ranks = [rank_cls.remote(r, 2, port, 0, "llama") for r in range(2)]
+    ranks = [rank_cls.remote(r, 2, port, 0, weights(INITIAL_SEED)) for r in range(2)]
     info = dict(
         num_consumers=REPLICAS, num_replicas=REPLICAS, num_trainer_ranks=2, transport="nixl",
         producer_prefix="wt-vllm-rdt-fsdp", timeout_s=120.0, stall_timeout_s=30.0,
@@ -203,7 +206,8 @@ def test_fsdp2_ranks_sync_live_engines_from_their_own_shards(
         )
         assert all(local)
         for seed in (2, 3):
-            cluster.get([r.load.remote(seed) for r in ranks], timeout=120)
+            target = weights(seed)
+            cluster.get([r.load.remote(target) for r in ranks], timeout=120)
             results = cluster.get([r.sync.remote() for r in ranks], timeout=300)
             for rank, (counts, served) in enumerate(results):
                 assert not [n for n in counts if "gather" in n], f"rank {rank} gathered: {counts}"

@@ -144,26 +144,22 @@ class ActorsClient:
         self._all("finish_weight_update", weight_version)
 
 
-def fsdp_weights(model: str, seed: int) -> dict[str, torch.Tensor]:
-    """The full weights an `FsdpRank` trains: `checkpoint(seed)` (`"sharded"`, the names
-    `ShardedModel` loads) or the tiny Llama of the vLLM tests (`"llama"`, HF names)."""
-    if model == "sharded":
-        from tests.backends.sharded_rdt.models import checkpoint
-
-        return checkpoint(seed)
-    from wt_tools.tiny_model import tiny_llama
-
-    return {n: p.detach() for n, p in tiny_llama(seed=seed).named_parameters()}
-
-
 class FsdpRank:
     """One FSDP2 trainer rank (wrapped by `ray.remote` in tests): joins a gloo group of
-    `world` ranks, holds `fsdp_weights(model)`' names as a module whose every leaf
-    module is `fully_shard`ed over a 1-D mesh (on dim 0, or on `dim` where a parameter
-    has it: FSDP2's `shard_placement_fn`), and syncs it through `sharded_rdt` over
-    NIXL with a `ModuleSource`, counting the collectives each sync runs."""
+    `world` ranks, holds a module with the names and shapes of `weights` (default:
+    `checkpoint(0)`, the names `ShardedModel` loads) whose every leaf module is
+    `fully_shard`ed over a 1-D mesh (on dim 0, or on `dim` where a parameter has it:
+    FSDP2's `shard_placement_fn`), and syncs it through `sharded_rdt` over NIXL with
+    a `ModuleSource`, counting the collectives each sync runs."""
 
-    def __init__(self, rank: int, world: int, port: int, dim: int, model: str = "sharded") -> None:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        port: int,
+        dim: int,
+        weights: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -175,8 +171,10 @@ class FsdpRank:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
-        self.rank, self.mesh, self.kind = rank, init_device_mesh("cpu", (world,)), model
-        self.model = ConformanceModel(fsdp_weights(model, 0))
+        from tests.backends.sharded_rdt.models import checkpoint
+
+        self.rank, self.mesh = rank, init_device_mesh("cpu", (world,))
+        self.model = ConformanceModel(weights if weights is not None else checkpoint(0))
 
         def placement(param: torch.nn.Parameter) -> Any:
             return Shard(dim if param.dim() > dim else 0)
@@ -202,13 +200,17 @@ class FsdpRank:
         )
         return bool(self.engine.local)
 
-    def load(self, seed: int) -> None:
-        """Set every local shard to torch's own piece of the weights of `seed`
-        (`distribute_tensor`: a collective every rank runs, outside any sync)."""
+    def load(self, weights: int | dict[str, torch.Tensor]) -> None:
+        """Set every local shard to torch's own piece of `weights` (a seed of
+        `checkpoint`, or the tensors by name): `distribute_tensor`, a collective every
+        rank runs, outside any sync."""
         from torch.distributed.tensor import distribute_tensor
 
+        from tests.backends.sharded_rdt.models import checkpoint
+
+        full = checkpoint(weights) if isinstance(weights, int) else weights
         with torch.no_grad():
-            for name, tensor in fsdp_weights(self.kind, seed).items():
+            for name, tensor in full.items():
                 param = self.model.get_parameter(name)
                 piece = distribute_tensor(tensor, self.mesh, param.placements).to_local()
                 param.to_local().copy_(piece)

@@ -27,14 +27,14 @@ pytestmark = pytest.mark.timeout(120)
 Layout = Callable[[str, torch.Tensor], tuple[Any, ...]]
 
 
-def fsdp(ways: int) -> Layout:
-    """FSDP2's layout: every parameter split on dim 0 over `ways` ranks."""
-    return lambda name, t: (Shard(0),)
+def fsdp(name: str, t: torch.Tensor) -> tuple[Any, ...]:
+    """FSDP2's layout: every parameter split on dim 0."""
+    return (Shard(0),)
 
 
-def row_parallel(ways: int) -> Layout:
+def row_parallel(name: str, t: torch.Tensor) -> tuple[Any, ...]:
     """Matrices split on dim 1 (row-parallel), vectors on dim 0."""
-    return lambda name, t: (Shard(1) if t.dim() > 1 else Shard(0),)
+    return (Shard(1) if t.dim() > 1 else Shard(0),)
 
 
 def hsdp_tp(name: str, t: torch.Tensor) -> tuple[Any, ...]:
@@ -94,9 +94,9 @@ class ShardSource(WeightSource):
 
 
 CASES = {
-    "fsdp2-dim0-2ranks": ((2,), fsdp(2)),
-    "fsdp2-dim0-3ranks-uneven": ((3,), fsdp(3)),
-    "dim1-4ranks": ((4,), row_parallel(4)),
+    "fsdp2-dim0-2ranks": ((2,), fsdp),
+    "fsdp2-dim0-3ranks-uneven": ((3,), fsdp),
+    "dim1-4ranks": ((4,), row_parallel),
     "2x2-mesh-with-a-replicated-axis": ((2, 2), hsdp_tp),
 }
 
@@ -137,7 +137,7 @@ def test_each_rank_sends_its_own_shard_bit_exactly(shards: Any, case: str, tp: i
 
 def test_a_local_piece_of_the_wrong_shape_is_refused_naming_the_parameter(shards: Any) -> None:
     s = shards(1)
-    source = ShardSource(checkpoint(1), 0, (1,), fsdp(1))
+    source = ShardSource(checkpoint(1), 0, (1,), fsdp)
     engine = s.trainer(source, rank=0)
     try:
         engine.send_weights()
