@@ -288,6 +288,15 @@ class Cached033(WeightSource):
             yield name, self.tensors[name]
 
 
+class Hybrid(WeightSource):
+    def metadata(self) -> list[ParamMeta]:
+        return METAS
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for m in METAS:
+            yield m.name, torch.zeros(m.shape, dtype=m.dtype)
+
+
 def test_a_vllm_033_source_is_seen_the_specs_way() -> None:
     for rank in (0, 1):
         source = Cached033(rank)
@@ -301,6 +310,9 @@ def test_a_vllm_033_source_is_seen_the_specs_way() -> None:
         assert view.implements_iter_full() and not view.implements_iter_local()
     spec = ListSource(METAS)
     assert source_view(spec, 0) is spec
+    hybrid = Hybrid()  # a method `metadata()`, but `iter_full` instead of `__iter__`
+    view = source_view(hybrid, 0)
+    assert view is not hybrid and [n for n, _ in view] == NAMES
     assert spec.owned_names(0) == NAMES and spec.implements_iter_full()
     assert [n for n, _ in spec.iter_full()] == NAMES
 

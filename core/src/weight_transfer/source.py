@@ -46,6 +46,7 @@ __all__ = [
     "Placement",
     "WeightSource",
     "metadata_of",
+    "overrides",
     "layerwise_groups",
     "materialize_full_tensor",
     "checked_iteration",
@@ -289,10 +290,10 @@ class WeightSource(ABC):  # noqa: B024 - abstract by intent; either way of writi
         ]
 
     def implements_iter_full(self) -> bool:
-        return _defines(self, "iter_full") or _defines(self, "__iter__")
+        return overrides(self, "iter_full") or overrides(self, "__iter__")
 
     def implements_iter_local(self) -> bool:
-        return _defines(self, "iter_local")
+        return overrides(self, "iter_local")
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full tensor of each name this rank holds (iteration without the Nones)."""
@@ -305,7 +306,7 @@ class WeightSource(ABC):  # noqa: B024 - abstract by intent; either way of writi
         raise NotImplementedError(f"{type(self).__name__} does not implement iter_local")
 
 
-def _defines(source: Any, method: str) -> bool:
+def overrides(source: Any, method: str) -> bool:
     """Whether `source`'s class overrides `method` of `WeightSource` (or, for a source
     that is no `WeightSource`, has it at all)."""
     own = inspect.getattr_static(type(source), method, None)

@@ -17,6 +17,7 @@ from weight_transfer.source import (
     WeightSource,
     materialize_full_tensor,
     metadata_of,
+    overrides,
 )
 
 __all__ = ["source_view", "ModuleSource", "Box", "local_box", "shard_boxes"]
@@ -67,14 +68,18 @@ def _unravel(index: int, shape: tuple[int, ...]) -> list[int]:
 
 def source_view(source: Any, rank: int | None = None) -> Any:
     """`source` as the spec's contract (the module doc): itself when written the
-    spec's way; a source written as vLLM 0.33 writes one (its `metadata` is a list)
-    is seen through a view whose `metadata()` is that list, whose `held_names()`
-    are its `owned_names(rank)` and whose iteration is its `iter_full()` with
-    `None` for the names other ranks own. `rank` defaults to this process's rank
-    in the default process group (0 without one), as vLLM 0.33's sources assume."""
-    if source is None or callable(getattr(source, "metadata", None)):
-        return source
-    return _ViewOf033(source, rank)
+    spec's way; a source written as vLLM 0.33 writes one (its `metadata` is a list,
+    or it iterates through `iter_full` and defines no `__iter__`) is seen through
+    a view whose `metadata()` is its metadata, whose `held_names()` are its
+    `owned_names(rank)` and whose iteration is its `iter_full()` with `None` for
+    the names other ranks own. `rank` defaults to this process's rank in the
+    default process group (0 without one), as vLLM 0.33's sources assume."""
+    if source is None:
+        return None
+    spec_style = callable(getattr(source, "metadata", None)) and (
+        overrides(source, "__iter__") or not overrides(source, "iter_full")
+    )
+    return source if spec_style else _ViewOf033(source, rank)
 
 
 class _ViewOf033(WeightSource):
