@@ -3,9 +3,7 @@
 Tests that share something expensive run in one worker process, each group as
 a unit: `vllm` (the in-process engines and the live HTTP servers that
 `tests/vllm` shares) and `ray` (the tests that start a local Ray cluster). Every
-other test goes to whichever worker is free, the demo's and the bench's too
-(they run the tools in processes of their own). Without xdist the marks do
-nothing.
+other test goes to whichever worker is free. Without xdist the marks do nothing.
 """
 
 from __future__ import annotations
@@ -23,19 +21,11 @@ RAY = {
 }
 
 
-# Tests under tests/vllm that run the tools in processes of their own and share nothing
-# with the group: they go to whichever worker is free (the extended run's two run at once).
-OWN_PROCESSES = {
-    "tests/vllm/test_demo.py",
-    "tests/vllm/test_bench.py",
-}
-
-
 def _group(path: Path) -> str | None:
     relative = path.relative_to(HERE.parent).as_posix()
     if relative in RAY:
         return "ray"
-    if relative.startswith("tests/vllm/") and relative not in OWN_PROCESSES:
+    if relative.startswith("tests/vllm/"):
         return "vllm"
     return None
 

@@ -26,9 +26,9 @@ from tests.backends.sharded_rdt.ray_parts import (
 pytest.importorskip("nixl")
 ray = pytest.importorskip("ray")
 
-from tests.backends.sharded_rdt.models import checkpoint, held_part, reference  # noqa: E402
+from tests.backends.sharded_rdt.models import checkpoint, reference  # noqa: E402
 from tests.backends.sharded_rdt.test_sharded_loopback import HeldSource  # noqa: E402
-from weight_transfer import FanOutClient, WeightSyncRPCError  # noqa: E402
+from weight_transfer import WeightSyncRPCError  # noqa: E402
 from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -80,60 +80,6 @@ def assert_serving(
             assert abs(pulled - share) <= 0.05 * share, (
                 f"consumer {i} pulled {pulled}, share {share}"
             )
-
-
-def test_tensor_parallel_consumers_over_nixl(cluster: Any) -> None:
-    actors = consumers(cluster, 2)
-    source = HeldSource(checkpoint(1))
-    prefix = f"wt-nixl-{next(_prefixes)}"
-    trainer = ShardedRDTTrainerEngine.trainer_init(
-        info(0, 2, prefix), client=ActorsClient(actors), source=source
-    )
-    try:
-        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
-        assert f"{prefix}-rk0" in names
-        total = sum(t.numel() * t.element_size() for t in source.tensors.values())
-        for seed in (2, 3):
-            source.tensors = checkpoint(seed)
-            trainer.send_weights()
-            assert_serving(cluster, actors, 2, seed)
-            for actor in actors:
-                _, pulled, _ = cluster.get(actor.state.remote(), timeout=60)
-                assert pulled < 0.55 * total
-    finally:
-        trainer.shutdown()
-        for a in actors:
-            ray.kill(a)
-
-
-def test_two_producers_three_replicas_over_nixl(cluster: Any) -> None:
-    actors = consumers(cluster, 1, replicas=3)
-    client = FanOutClient([ActorsClient([a]) for a in actors])
-    tensors = checkpoint(1)
-    sources = [HeldSource(tensors, held_part(tensors, r, 2)) for r in range(2)]
-    prefix = f"wt-nixl-{next(_prefixes)}"
-    kw = dict(num_trainer_ranks=2, num_replicas=3)
-    rank1 = ShardedRDTTrainerEngine.trainer_init(
-        info(1, 3, prefix, **kw), client=object(), source=sources[1]
-    )  # type: ignore[arg-type]
-    rank0 = ShardedRDTTrainerEngine.trainer_init(
-        info(0, 3, prefix, **kw), client=client, source=sources[0]
-    )
-    try:
-        for seed in (2, 3):
-            for src in sources:
-                src.tensors = checkpoint(seed)
-            other = threading.Thread(target=rank1.send_weights)
-            other.start()
-            rank0.send_weights()
-            other.join(60)
-            assert not other.is_alive()
-            assert_serving(cluster, actors, 1, seed)
-    finally:
-        rank0.shutdown()
-        rank1.shutdown()
-        for a in actors:
-            ray.kill(a)
 
 
 class GatedSource(HeldSource):
