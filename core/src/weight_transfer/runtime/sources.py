@@ -20,7 +20,7 @@ from weight_transfer.source import (
     overrides,
 )
 
-__all__ = ["source_view", "ModuleSource", "Box", "local_box", "shard_boxes"]
+__all__ = ["source_view", "ModuleSource", "Box", "local_box", "shard_boxes", "unravel"]
 
 # A box of a tensor: per dim, `(start, length)`.
 Box = tuple[tuple[int, int], ...]
@@ -38,7 +38,7 @@ def local_box(meta: ParamMeta, rank: int) -> Box:
     if rank not in meta.owners:
         raise ValueError(f"parameter {meta.name!r}: rank {rank} is not one of its owners")
     assert meta.mesh_shape is not None
-    coords = _unravel(meta.owners.index(rank), meta.mesh_shape)
+    coords = unravel(meta.owners.index(rank), meta.mesh_shape)
     for placement, coord, ways in zip(meta.placements, coords, meta.mesh_shape, strict=True):
         if isinstance(placement, Shard):
             start, length = box[placement.dim]
@@ -58,11 +58,12 @@ def shard_boxes(meta: ParamMeta) -> list[tuple[Box, list[int]]]:
     return list(found.items())
 
 
-def _unravel(index: int, shape: tuple[int, ...]) -> list[int]:
+def unravel(index: int, shape: tuple[int, ...]) -> list[int]:
+    """The row-major coordinates of flat `index` in `shape` (0 along an empty dim)."""
     coords = []
     for n in reversed(shape):
-        coords.append(index % n)
-        index //= n
+        coords.append(index % n if n else 0)
+        index = index // n if n else 0
     return coords[::-1]
 
 

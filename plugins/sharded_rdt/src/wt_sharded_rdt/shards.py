@@ -18,7 +18,6 @@ parameter and its chain.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 from weight_transfer.backend import ParamMeta
 from weight_transfer.kits.slices import Scatter, apply_chain, describe_chain
 from weight_transfer.runtime.slices import Chain, Op, storage_id
-from weight_transfer.runtime.sources import Box, shard_boxes
+from weight_transfer.runtime.sources import Box, shard_boxes, unravel
 from weight_transfer.source import Replicate, Shard
 
 __all__ = [
@@ -63,7 +62,7 @@ def slice_box(meta: ParamMeta, chain: Chain) -> SliceBox | None:
     if view.dtype != meta.dtype or storage_id(view) != storage_id(base):
         return None
     strides = base.stride()
-    start = _unravel(int(view.storage_offset()), meta.shape)
+    start = unravel(int(view.storage_offset()), meta.shape)
     length = [1] * len(meta.shape)
     dims: list[int | None] = []
     for size, stride in zip(view.shape, view.stride(), strict=True):
@@ -146,14 +145,6 @@ def _dest_strides(scatter: Scatter) -> tuple[int, ...] | None:
     return tuple(strides) if next(longer, None) is None else None
 
 
-def _unravel(index: int, shape: tuple[int, ...]) -> list[int]:
-    coords = []
-    for n in reversed(shape):
-        coords.append(index % n if n else 0)
-        index = index // n if n else 0
-    return coords[::-1]
-
-
 def encode_layout(meta: ParamMeta) -> list[list[int]]:
     """`[owners, mesh_shape, placements]` of a sharded parameter, JSON-safe: a
     placement is the dim a `Shard` splits, -1 for `Replicate`."""
@@ -179,7 +170,3 @@ def decode_layout(meta: ParamMeta, layout: Any, *, field: str) -> ParamMeta:
         )
     except (TypeError, ValueError) as error:
         raise ValueError(f"init_info: field {field!r}: {error}") from None
-
-
-def local_nbytes(meta: ParamMeta, box: Box) -> int:
-    return math.prod(n for _, n in box) * meta.dtype.itemsize
