@@ -40,6 +40,7 @@ SOURCES = [
     "examples/wt-example/src/wt_example",
     "tools/src/wt_tools",
 ]
+PEFT = "peft>=0.17"  # LoRA adapters: the trainer's model in the LoRA tests and the bench
 TEST_DEPS = [
     "pytest>=8,<9.2",  # 9.2 ignores the node ids pytest-xdist 3.8 groups by (--dist loadgroup)
     "pytest-timeout>=2.3",
@@ -50,6 +51,7 @@ TEST_DEPS = [
     "numpy",
     "hatchling>=1.21",
     "matplotlib",  # the bench's plots (its smoke test runs here)
+    PEFT,
 ]
 
 
@@ -145,7 +147,7 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Sync speed against vLLM's own load from memory and against save-and-reload."""
     install_stack(session)
-    session.install(RAY, NIXL, "matplotlib")
+    session.install(RAY, NIXL, "matplotlib", PEFT)
     session.run("wt", "bench", *session.posargs)
 
 

@@ -75,9 +75,11 @@ def sampling_params() -> Any:
     )
 
 
-def generate(llm: Any, prompts: list[str] = PROMPTS) -> Outputs:
-    """Greedy tokens and logprobs of `llm` for `prompts`."""
-    return outputs_of(llm.generate(prompts, sampling_params(), use_tqdm=False))
+def generate(llm: Any, prompts: list[str] = PROMPTS, lora_request: Any = None) -> Outputs:
+    """Greedy tokens and logprobs of `llm` for `prompts` (on a LoRA adapter: `lora_request`)."""
+    return outputs_of(
+        llm.generate(prompts, sampling_params(), lora_request=lora_request, use_tqdm=False)
+    )
 
 
 def outputs_of(request_outputs: list[Any]) -> Outputs:

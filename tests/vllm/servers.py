@@ -33,6 +33,9 @@ from weight_transfer.kits.group.stateless import free_port
 __all__ = ["Server", "Traffic", "ServerPool", "READY_TIMEOUT_S"]
 
 READY_TIMEOUT_S = 240.0
+# Every server takes LoRA adapters (test_lora.py); with none named, its base outputs
+# are bit-identical to an engine's without LoRA.
+LORA_ARGS = ("--enable-lora", "--max-lora-rank", "16", "--max-loras", "2")
 
 
 class Server:
@@ -54,6 +57,7 @@ class Server:
         # One OpenMP thread: on two cores, the spinning OpenMP threads of several processes
         # starve each other (a tiny model's forward took 30+ s behind a busy neighbour).
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS="1")
+        env.update(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")  # wt registers synced adapters' names
         cmd = [
             sys.executable,
             "-m",
@@ -73,6 +77,7 @@ class Server:
             str(32 << 20),
             "--weight-transfer-config",
             json.dumps({"backend": f"wt_{self.backend}"}),
+            *LORA_ARGS,
         ]
         self._log = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -120,9 +125,10 @@ class Server:
                 self.proc.wait(10)
         self._log.close()
 
-    def generate(self) -> Outputs:
+    def generate(self, model: str | None = None) -> Outputs:
+        """Greedy tokens and logprobs of `PROMPTS` on `model` (default: the base model)."""
         body = {
-            "model": self.model_dir,
+            "model": model or self.model_dir,
             "prompt": PROMPTS,
             "max_tokens": MAX_TOKENS,
             "temperature": 0.0,
@@ -164,11 +170,19 @@ class Traffic:
     Every request must return HTTP 200 and stream all `MAX_TOKENS` tokens
     (finish reason "length", usage counted by the server); anything else is
     recorded in `failures`. Bounded: it stops when told, after
-    `max_requests`, or after `max_s`.
+    `max_requests`, or after `max_s`. `model`: what the requests name (the
+    served model; a LoRA adapter's name).
     """
 
-    def __init__(self, server: Server, max_requests: int = 2000, max_s: float = 240.0) -> None:
+    def __init__(
+        self,
+        server: Server,
+        max_requests: int = 2000,
+        max_s: float = 240.0,
+        model: str | None = None,
+    ) -> None:
         self.server = server
+        self.model = model or server.model_dir
         self.max_requests = max_requests
         self.max_s = max_s
         self.done = 0
@@ -190,7 +204,7 @@ class Traffic:
         with httpx.Client(base_url=self.server.url, timeout=120.0) as http:
             while not self._stop and self.done < self.max_requests and time.monotonic() < deadline:
                 body = {
-                    "model": self.server.model_dir,
+                    "model": self.model,
                     "prompt": PROMPTS[self.done % len(PROMPTS)],
                     "max_tokens": MAX_TOKENS,
                     "temperature": 0.0,

@@ -89,6 +89,10 @@ def test_quick_bench_produces_every_figure(tmp_path: Path) -> None:
     assert all(r["median_s"] > 0 for r in moe["rows"])
     assert "fused-MoE layers" in moe["sharded_rdt_refused"]
     assert "## Live MoE" in (out / "bench.md").read_text()
+    [lora] = results["lora"]["rows"]  # a rank-16 adapter: only its bytes move, exact
+    assert lora["moved_bytes"] == lora["adapter_bytes"] < lora["model_bytes"] / 4
+    assert lora["same_tokens"] is True and lora["wt_sync_s"] > 0 and lora["disk_load_s"] > 0
+    assert "## LoRA adapters" in (out / "bench.md").read_text()
     targets = results["targets"]
     assert len(targets) >= 8 and all(t["value"] is not None for t in targets), targets
     predictions = results["cost_model"]["predictions"]

@@ -34,7 +34,8 @@ from tests.vllm.conftest import (
     require_backend,
     sampling_params,
 )
-from weight_transfer import ModuleSource, RayVLLMWeightSyncClient, WeightSyncRPCError
+from tests.vllm.lora_parts import ENGINE_LORA_KWARGS
+from weight_transfer import LoRASource, ModuleSource, RayVLLMWeightSyncClient, WeightSyncRPCError
 
 pytest.importorskip("vllm")
 ray = pytest.importorskip("ray")
@@ -79,7 +80,8 @@ def test_ray_actor_sync_over_ipc(
     ray_cluster: Any, tiny_dirs: TinyDirs, references: References, tmp_path: Any
 ) -> None:
     """`wt_ipc` in an `LLM` Ray actor on this host: the actor maps this process's
-    shared memory; JSON payloads through Ray, tokens equal to fresh engines'."""
+    shared memory; JSON payloads through Ray, tokens equal to fresh engines'; then
+    LoRA adapters into the same actor."""
     require_backend("ipc")
     from vllm import LLM
     from vllm.config import WeightTransferConfig
@@ -88,6 +90,7 @@ def test_ray_actor_sync_over_ipc(
     actor = actor_cls.remote(
         model=tiny_dirs[INITIAL_SEED],
         weight_transfer_config=WeightTransferConfig(backend="wt_ipc"),
+        **ENGINE_LORA_KWARGS,  # base outputs stay bit-identical to a LoRA-less engine's
         **LLM_KWARGS,
     )
     try:
@@ -127,8 +130,39 @@ def test_ray_actor_sync_over_ipc(
         ray.get(example.broadcast_weights.remote(), timeout=120)
         ray.get(actor.wake_up.remote(tags=["scheduling"]), timeout=60)
         assert generate(actor) == references.outputs(2)
+        _sync_adapters_into_the_actor(actor, str(tmp_path))
+        assert generate(actor) == references.outputs(2)
     finally:
         ray_cluster.kill(actor)
+
+
+def _sync_adapters_into_the_actor(actor: Any, scratch: str) -> None:
+    """A LoRA adapter over ipc into the actor's `LLM` through Ray: equal to the actor
+    loading the same adapter from disk, round after round."""
+    from tests.vllm.lora_parts import Checkpoints, peft_model, train_step
+    from weight_transfer.vllm.adapters import lora_request
+
+    def on(request: Any) -> Outputs:
+        refs = actor.generate.remote(
+            PROMPTS, sampling_params(), lora_request=request, use_tqdm=False
+        )
+        return outputs_of(ray.get(refs, timeout=120))
+
+    disk = Checkpoints(scratch)
+    model = peft_model("ray-lora", seed=3)
+    client = RayVLLMWeightSyncClient(actor, timeout=120.0)
+    client.shutdown_weight_transfer_engine()  # the example's trainer lets the engine go
+    trainer = connect("ipc", client, LoRASource(model, "ray-lora"), scratch)
+    try:
+        seen = []
+        for step in range(2):
+            train_step(model, "ray-lora", step)
+            trainer.send_weights()
+            seen.append(on(lora_request("ray-lora")))
+            assert seen[-1] == on(disk.disk_request(model, "ray-lora")), f"round {step + 1}"
+        assert seen[0] != seen[1]
+    finally:
+        trainer.shutdown()
 
 
 def _example_trainer_class() -> type:

@@ -75,3 +75,42 @@ def test_every_engine_answers_what_vllms_worker_calls_with_its_arguments(which: 
         missing = sorted(c for c in facts["engine_calls"] if not hasattr(engine, c))
         assert not missing, f"{name}: {engine.__name__} lacks {missing} ({which})"
         assert _parameters(engine.__init__) == facts["engine_init"], (name, which)
+
+
+# What `weight_transfer.vllm.adapters` uses of vLLM's LoRA code (vLLM 0.33.0's wheel has each of
+# them, with the same `from_lora_tensors` parameters: read from its source).
+LORA_BRIDGE = {
+    "vllm.lora.worker_manager:WorkerLoRAManager": ("_load_adapter", "add_adapter"),
+    "vllm.lora.model_manager:LoRAModelManager": (
+        "_create_merged_loras_inplace",
+        "add_adapter",
+        "get_adapter",
+        "remove_adapter",
+    ),
+    "vllm.lora.peft_helper:PEFTHelper": ("from_dict", "validate_legal"),
+    "vllm.lora.utils:parse_fine_tuned_lora_name": (),
+    "vllm.exceptions:LoRAAdapterNotFoundError": (),
+}
+FROM_LORA_TENSORS = (
+    "lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size",
+    "weights_mapper", "skip_prefixes",
+)  # fmt: skip
+
+
+def test_the_lora_bridge_finds_what_it_uses_in_the_installed_vllm() -> None:
+    import importlib
+
+    from vllm.lora.lora_model import LoRAModel
+
+    for where, attributes in LORA_BRIDGE.items():
+        module, _, name = where.partition(":")
+        owner = getattr(importlib.import_module(module), name)
+        assert [a for a in attributes if not hasattr(owner, a)] == [], where
+    assert tuple(inspect.signature(LoRAModel.from_lora_tensors).parameters) == FROM_LORA_TENSORS
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.submodule_search_locations
+    root = Path(next(iter(spec.submodule_search_locations)))
+    # the links the bridge follows: model -> its LoRA manager, worker's runner -> the worker manager
+    assert "self.model.lora_manager = self" in (root / "lora" / "model_manager.py").read_text()
+    mixin = (root / "v1" / "worker" / "lora_model_runner_mixin.py").read_text()
+    assert "self.lora_manager = LRUCacheWorkerLoRAManager(" in mixin

@@ -28,6 +28,7 @@ from weight_transfer.factory import (
 )
 from weight_transfer.fleet import FanOutClient, FleetError
 from weight_transfer.position import WorkerPosition
+from weight_transfer.runtime.adapters import Adapter, LoRASource, remove_adapter
 from weight_transfer.runtime.sources import ModuleSource
 from weight_transfer.session import WorkerSession
 from weight_transfer.source import (
@@ -46,6 +47,9 @@ __all__ = [
     "Shard",
     "WeightSource",
     "ModuleSource",
+    "LoRASource",
+    "Adapter",
+    "remove_adapter",
     "layerwise_groups",
     "VLLMWeightSyncClient",
     "HTTPVLLMWeightSyncClient",

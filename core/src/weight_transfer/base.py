@@ -29,6 +29,7 @@ from weight_transfer.loading import Transaction, WeightLoader, loader_for
 from weight_transfer.payload import WireProtocolInfo, check_wire_protocol, parse_payload
 from weight_transfer.position import WorkerPosition, worker_position
 from weight_transfer.rounds import TrainerRound
+from weight_transfer.runtime.adapters import adapter_of
 from weight_transfer.runtime.control import (
     ABORT_FIELD,
     ChannelDownError,
@@ -157,9 +158,12 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
     workers receive. `open_round` drives one round with hooks; backends built
     on it supply only their transmit step (`weight_transfer.resync` for
     full-resync backends).
+    A source with an `adapter` (`LoRASource`) makes each round update that LoRA
+    adapter (`weight_transfer.runtime.adapters`); `sends_adapters` False refuses one.
     """
 
     init_info_cls: ClassVar[type[TrainerInitInfo]]
+    sends_adapters: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -177,6 +181,9 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
             else RoundClient(client, timeout_s, trainer_id=self.trainer_id)
         )
         self.source = source_view(source, rank)  # a vLLM 0.33-style source, seen the spec's way
+        self.client.adapter_source = source
+        if adapter_of(source) is not None and not self.sends_adapters:
+            raise ValueError(f"{self.backend} cannot send a LoRA adapter; use nccl or ipc")
         self.is_sender = is_sender
         self.timeout_s = timeout_s
         self.syncs = 0
@@ -321,11 +328,15 @@ class WeightTransferEngine(WorkerRound, ABC, Generic[TInitInfo, TUpdateInfo]):
     (a control round, which loads nothing, does not count). Until then it
     resumes nothing, refuses holds, and its refusals carry `Refusal.MODEL_INCOMPLETE`
     (`ModelIncompleteError`), so the clients leave generation paused.
+    A round may update a LoRA adapter instead (`weight_transfer.runtime.adapters`):
+    `self.loader` is then the host's adapter loader. A backend that does not load
+    through `self.loader.load` sets `supports_adapter_update` False.
     """
 
     init_info_cls: ClassVar[type[WeightTransferInitInfo]]
     update_info_cls: ClassVar[type[WeightTransferUpdateInfo]]
     supports_draft_weight_update: ClassVar[bool] = True
+    supports_adapter_update: ClassVar[bool] = True
     defers_processing: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -46,6 +46,7 @@ from weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
+from weight_transfer.runtime.adapters import ADAPTER_SCHEME, Adapter
 from weight_transfer.runtime.control import (
     ABORT_FIELD,
     REVERT_FIELD,
@@ -279,6 +280,8 @@ class HTTPVLLMWeightSyncClient(_PausingClient):
     update and finish never are, and a timeout is never retried.
     """
 
+    removal_pause: PauseMode = "wait"  # requests on an adapter being removed finish first
+
     def __init__(
         self,
         base_url: str,
@@ -297,6 +300,7 @@ class HTTPVLLMWeightSyncClient(_PausingClient):
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
         self._swap = threading.Lock()  # guards `_http` and `_users`
         self._users: dict[Any, int] = {}  # requests in flight per client
+        self._adapters: set[str] = set()  # LoRA adapter names registered with the server
 
     def _request(
         self, method: str, route: str, body: Any = None, *, timeout: float | None = None
@@ -330,7 +334,12 @@ class HTTPVLLMWeightSyncClient(_PausingClient):
                     self._reconnect(http)  # servers close the connection after an error
                     detail = _error_detail(response)
                     raise WeightSyncRPCError(name, detail, status=response.status_code)
-                return response.json() if response.content else None
+                if not response.content:
+                    return None
+                try:
+                    return response.json()
+                except ValueError:  # vLLM's LoRA routes answer in plain text
+                    return response.text
         raise AssertionError("unreachable")
 
     @contextlib.contextmanager
@@ -388,6 +397,27 @@ class HTTPVLLMWeightSyncClient(_PausingClient):
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._request("POST", "/shutdown_weight_transfer_engine")
+
+    def adapter_landed(self, adapter: Adapter) -> None:
+        """Register a synced LoRA adapter's name with the server, once per client
+        (`/v1/load_lora_adapter`, path `wt-adapter:<name>`: the workers serve it from
+        memory), so the OpenAI `model` field names it; unregister a removed one.
+        The server needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` for these routes."""
+        if adapter.remove:
+            self._adapters.discard(adapter.name)
+            try:
+                self._request("POST", "/v1/unload_lora_adapter", {"lora_name": adapter.name})
+            except WeightSyncRPCError as error:
+                if error.status != 404:  # 404: the server did not know the name
+                    raise
+        elif adapter.name not in self._adapters:
+            body = {
+                "lora_name": adapter.name,
+                "lora_path": ADAPTER_SCHEME + adapter.name,
+                "load_inplace": True,
+            }
+            self._request("POST", "/v1/load_lora_adapter", body)
+            self._adapters.add(adapter.name)
 
     def is_paused(self) -> bool:
         return bool(self._request("GET", "/is_paused")["is_paused"])

@@ -381,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         results["scenarios"].append(run_scenario(sc, log=lambda m: print(m, flush=True)))
     results["live"] = None if args.no_live else live(layers, repeats, work)
+    results["lora"] = None if args.no_live else lora(args.quick, repeats, work)
     results["live_moe"] = None if args.no_live else live_moe(args.quick, repeats, work)
     calibration = cost_model.calibrate(results)
     results["cost_model"] = {
@@ -397,6 +398,21 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + markdown)
     print(f"written: {json_path}, {os.path.join(args.out, 'bench.md')}, " + ", ".join(plots))
     return 0
+
+
+def lora(quick: bool, repeats: int, work: str) -> dict[str, Any]:
+    """The LoRA adapter block (`wt_tools.lora_bench`): the tiny model, and in a full
+    run a 4-layer hidden-1024 one; printed."""
+    from wt_tools import lora_bench
+
+    specs = [("tiny", TinyLlamaSpec())]
+    if not quick:
+        specs.append(("1024x4", TinyLlamaSpec.large(num_hidden_layers=4)))
+    rows = [_in_fresh_process(lora_bench.measure, *spec, max(repeats, 3), work) for spec in specs]
+    result = {"rank": lora_bench.RANK, "rows": rows}
+    print("\na rank-16 LoRA adapter: wt's sync against saving it and vLLM's load from disk")
+    print("\n".join(lora_bench.table(result)))
+    return result
 
 
 def live_moe(quick: bool, repeats: int, work: str) -> dict[str, Any]:

@@ -132,6 +132,17 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     for r in moe_live["rows"] if moe_live else []:
         if r["method"].startswith("wt_"):
             add(f"live MoE: {r['method']} vs its floor", r["ratio_to_floor"], 2.0, False, "x floor")
+    lora = results.get("lora")
+    for r in lora["rows"] if lora else []:
+        wt_s = r["wt_sync_s"] + r["wt_first_request_s"]
+        disk_s = r["disk_load_s"] + r["disk_first_request_s"]
+        add(
+            f"LoRA ({r['label']}): sync and first token faster than save + load from disk",
+            disk_s / wt_s,
+            1.0,
+            True,
+            "x",
+        )
     worst = None
     for s in results["scenarios"]:
         for m in s["modes"]:
@@ -234,6 +245,16 @@ def markdown(results: dict[str, Any]) -> str:
             "",
         ]
         out += table(gather)
+    lora = results.get("lora")
+    if lora:
+        from wt_tools.lora_bench import table as lora_table
+
+        out += [
+            "",
+            "## LoRA adapters: sync against save and load from disk (`wt_tools.lora_bench`)",
+            "",
+        ]
+        out += lora_table(lora)
     live = results.get("live")
     if live:
         out += ["", f"## Live vLLM ({live['bytes'] / 2**30:.2f} GiB, in-process)", ""]

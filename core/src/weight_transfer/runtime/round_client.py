@@ -5,7 +5,9 @@ backend's round gets, without writing it: the control key shipped in init and
 a MAC on every update and control (`weight_transfer.runtime.control`);
 `update_weights` in flight on a daemon thread while the backend transmits; a
 round left open on the workers aborted before the next start; a failed
-round's abort sent from a daemon thread (`abandon`); the seal before finish.
+round's abort sent from a daemon thread (`abandon`); the seal before finish;
+and, for a source that updates a LoRA adapter, the round's adapter target
+(`weight_transfer.runtime.adapters`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from weight_transfer.runtime.adapters import ADAPTER_FIELD, Adapter, adapter_of
 from weight_transfer.runtime.control import (
     SEAL_FIELD,
     ControlKey,
@@ -59,8 +62,13 @@ class RoundClient:
     most `timeout_s`) and raises its error. `start_weight_update` first lets a
     call left over from a failed round end, bounded, ignoring its outcome (it
     belonged to that round), and aborts a round the host still holds open
-    (`abort_round`) before starting its own. Other attributes are the caller's
-    client's.
+    (`abort_round`) before starting its own. When `adapter_source` (the
+    trainer's source, which the trainer engine sets) has an `adapter`, the
+    round updates that adapter (read at each start, so a source may switch
+    adapters between rounds): the target goes out right after the start, and
+    after a successful finish the caller's client is told
+    (`adapter_landed(adapter)`, if it has one: the HTTP client registers the
+    name with its server). Other attributes are the caller's client's.
     """
 
     def __init__(
@@ -71,6 +79,7 @@ class RoundClient:
         self.pending: Future[None] | None = None
         self._leftover: Future[None] | None = None
         self.control = ControlKey(trainer_id)
+        self.adapter_source: Any = None  # the trainer's source, asked for its adapter
         if hasattr(type(client), "bind_control"):  # a client sending controls of its own
             client.bind_control(self.control)  # (a fleet) signs them with this key
 
@@ -94,6 +103,18 @@ class RoundClient:
         mid-round, an update refused before it reached them) is aborted first."""
         self._let_leftover_end()
         start_round(self.inner.start_weight_update, self.abort_round)
+        adapter = self.adapter
+        if adapter is not None:
+            self._target(adapter)
+
+    @property
+    def adapter(self) -> Adapter | None:
+        """The adapter the trainer's source updates, or None (model weights)."""
+        return adapter_of(self.adapter_source)
+
+    def _target(self, adapter: Adapter) -> None:
+        """Direct the open round at `adapter`; a refusal has closed the round there."""
+        self.inner.update_weights(self.control.sign({ADAPTER_FIELD: adapter.to_payload()}))
 
     def abort_round(self, reason: str) -> None:
         """End the round open on the workers, rolling it back (`ABORT_FIELD`); what a
@@ -155,6 +176,35 @@ class RoundClient:
         self.wait_update()
         self.inner.update_weights(self.control.sign({SEAL_FIELD: True}))
         finish_round(self.inner.finish_weight_update, weight_version)
+        adapter = self.adapter
+        if adapter is not None:
+            self._landed(adapter)
+
+    def _landed(self, adapter: Adapter) -> None:
+        landed = getattr(self.inner, "adapter_landed", None)
+        if callable(landed):
+            landed(adapter)
+
+    def adapter_round(self, adapter: Adapter) -> None:
+        """A round that only targets `adapter` and loads nothing: a removal. The
+        caller's client is told first (the HTTP server refuses the name from then
+        on). A client with a `removal_pause` mode (the HTTP client's `"wait"`)
+        pauses in it for this round, so requests in flight on the adapter finish
+        before it goes."""
+        self._landed(adapter)
+        pause = getattr(self.inner, "pause", None)
+        drain = getattr(self.inner, "removal_pause", None)
+        if pause is not None and drain is not None:
+            self.inner.pause = drain
+        try:
+            self._let_leftover_end()
+            start_round(self.inner.start_weight_update, self.abort_round)
+            self._target(adapter)  # a refusal has closed the round on the workers
+            self.inner.update_weights(self.control.sign({SEAL_FIELD: True}))
+            finish_round(self.inner.finish_weight_update, None)
+        finally:
+            if pause is not None and drain is not None:
+                self.inner.pause = pause
 
 
 class Replicas(Protocol):

@@ -13,8 +13,9 @@ each subclass's `init_transfer_engine`, `start_weight_update`,
   (`require_connection`), opens the transaction (`new_transaction`), then
   runs the subclass's start;
 - an update verifies its MAC, acts on a control (`wt_abort`, `wt_hold`,
-  `wt_revert`, `wt_release`, `wt_seal`), else loads through
-  `receive_weights`; any failure aborts the transaction;
+  `wt_revert`, `wt_release`, `wt_seal`, `wt_adapter`: the round's
+  transaction becomes the host's adapter loader, before anything loaded),
+  else loads through `receive_weights`; any failure aborts the transaction;
 - finish is refused until the trainer sealed the round, then commits (keeping
   the undo record after a hold);
 - a watchdog thread rolls back a round without progress for
@@ -38,6 +39,7 @@ import torch
 from weight_transfer.loading import Revertible, Transaction
 from weight_transfer.position import WorkerPosition
 from weight_transfer.rounds import AlignedFailure
+from weight_transfer.runtime.adapters import ADAPTER_FIELD, Adapter
 from weight_transfer.runtime.control import (
     ABORT_FIELD,
     AUTH_FIELD,
@@ -155,6 +157,8 @@ class WorkerRound:
         vllm_config: Any
         device: torch.device
         defers_processing: ClassVar[bool]
+        supports_adapter_update: ClassVar[bool]
+        model: torch.nn.Module
 
         def require_connection(self) -> None: ...
         def new_transaction(self) -> Transaction: ...
@@ -493,6 +497,9 @@ class WorkerRound:
         if isinstance(update_info, dict) and HOLD_FIELD in update_info:
             self._hold_commit()
             return
+        if isinstance(update_info, dict) and ADAPTER_FIELD in update_info:
+            self._target_adapter(update_info[ADAPTER_FIELD])
+            return
         if isinstance(update_info, dict) and SEAL_FIELD in update_info:
             if self.transaction is None:
                 raise RuntimeError(_NO_ROUND)
@@ -556,6 +563,37 @@ class WorkerRound:
             )
         logger.warning("%s: reverting the last committed round (%s)", type(self).__name__, reason)
         held.revert()
+
+    def _target_adapter(self, payload: Any) -> None:
+        """`ADAPTER_FIELD`: the open round updates that LoRA adapter, not the model.
+        Its transaction, which has not loaded yet, is replaced by the adapter loader."""
+        transaction = self.transaction
+        if transaction is None:
+            raise RuntimeError(_NO_ROUND)
+        try:
+            if self._round_loaded:
+                raise RuntimeError(
+                    f"update_info: field {ADAPTER_FIELD!r} must come before the round's "
+                    "first load (this round has loaded model weights already)"
+                )
+            loader = self._adapter_loader(Adapter.from_payload(payload))
+            self.transaction = None
+            transaction.abort()  # it never loaded: nothing changes
+            loader.begin()
+            self.transaction = loader
+        except BaseException as error:
+            self.transaction = self.transaction or transaction
+            self._abort_round(error)
+            self._resume_generation(f"the round failed: {error}")
+            raise
+
+    def _adapter_loader(self, adapter: Adapter) -> Transaction:
+        """The host's loader for a round that updates `adapter` (vLLM: its LoRA slots)."""
+        make = getattr(host_of(self.vllm_config), "adapter_loader", None)
+        if not self.supports_adapter_update or not callable(make):
+            who = type(self).__name__ if not self.supports_adapter_update else "this host"
+            raise TypeError(f"{who} cannot take a LoRA adapter round ({adapter.name!r})")
+        return make(self.model, self.vllm_config, adapter)
 
     def _hold_commit(self) -> None:
         """`HOLD_FIELD`: this round's commit keeps its undo record, or the hold is refused."""

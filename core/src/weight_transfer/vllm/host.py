@@ -13,7 +13,8 @@ __all__ = ["VLLMHost"]
 
 class VLLMHost:
     """Owns every `VllmConfig`: its loader is `VLLMLoader` (layerwise reload), its
-    generation the engine core running the calling worker (`serving.Generation`)."""
+    generation the engine core running the calling worker (`serving.Generation`), its
+    adapter loader `adapters.AdapterLoader` (LoRA adapters kept in memory)."""
 
     def owns(self, vllm_config: Any) -> bool:
         return is_vllm_config(vllm_config)
@@ -22,6 +23,12 @@ class VLLMHost:
         from weight_transfer.vllm.loader import VLLMLoader
 
         return VLLMLoader(model, vllm_config, model_config)
+
+    def adapter_loader(self, model: torch.nn.Module, vllm_config: Any, adapter: Any) -> Any:
+        """The loader of a LoRA adapter round (`weight_transfer.vllm.adapters`)."""
+        from weight_transfer.vllm.adapters import AdapterLoader
+
+        return AdapterLoader(model, vllm_config, adapter)
 
     def generation(self) -> Any:
         from weight_transfer.vllm.serving import Generation

@@ -165,6 +165,7 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
 
 class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitInfo]):
     init_info_cls = ShardedRDTTrainerInitInfo
+    sends_adapters = False  # slices are planned against the model's loaders
 
     def __init__(
         self,

@@ -118,6 +118,7 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
     init_info_cls = ShardedRDTWorkerInitInfo
     update_info_cls = ShardedRDTUpdateInfo
     supports_draft_weight_update = False
+    supports_adapter_update = False
     defers_processing = True
 
     def __init__(

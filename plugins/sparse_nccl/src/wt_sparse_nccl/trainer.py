@@ -98,6 +98,7 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
     """Sends sparse patches; see the module doc for the round API."""
 
     init_info_cls = SparseNCCLTrainerInitInfo
+    sends_adapters = False  # a patch applies to the model's weights
 
     def __init__(
         self,

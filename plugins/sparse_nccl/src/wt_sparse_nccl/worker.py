@@ -266,6 +266,7 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
     init_info_cls = SparseNCCLInitInfo
     update_info_cls = SparseNCCLUpdateInfo
     supports_draft_weight_update = False
+    supports_adapter_update = False
 
     def __init__(
         self,

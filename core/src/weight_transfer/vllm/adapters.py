@@ -1,0 +1,303 @@
+"""LoRA adapters in a vLLM worker, kept in memory: `AdapterLoader` and `lora_request`.
+
+vLLM loads an adapter from `LoRARequest.lora_path` on disk the first time a
+request names its `lora_int_id`, and again whenever its LRU cache evicted it.
+wt keeps the adapters it synced in memory instead:
+
+- `lora_request(name)` is the request of a wt adapter: its path is
+  `wt-adapter:<name>` (`ADAPTER_SCHEME`). On the HTTP server the HTTP client
+  registers that path under the adapter's name once (`/v1/load_lora_adapter`),
+  so the OpenAI `model` field names it.
+- Each worker has one `AdapterStore` (per vLLM LoRA manager): the committed
+  adapters by name, made by the first adapter round. It wraps the worker LoRA
+  manager's `_load_adapter`, so a
+  request whose path has the scheme is served from the store, under the id the
+  request carries; any other path loads from disk as before.
+- `AdapterLoader` is the round's transaction for an adapter round
+  (`weight_transfer.runtime.adapters`). `load` stages copies of the tensors
+  (a transport may reuse its buffers); `commit` builds vLLM's `LoRAModel` and
+  checks it against the engine (the rank against `max_lora_rank`, every module
+  a LoRA target of this model, every shape against the module's LoRA slots)
+  before it changes anything, then swaps it into the store and replaces
+  vLLM's copies of the previous version, so the next step that runs the
+  adapter activates the new one. vLLM runs a control call between steps, so a step
+  sees one version of the adapter, whole. `abort` drops what was staged: the
+  previous adapter and the model's weights are untouched. `commit(keep_undo=True)`,
+  `revert` and `release` make it a `Revertible` for fleets.
+
+Version-pinned to vLLM 0.32's LoRA manager (`WorkerLoRAManager._load_adapter`,
+`LoRAModelManager.modules`, `_create_merged_loras_inplace`, `remove_adapter`,
+`model.lora_manager`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weight_transfer.runtime.adapters import ADAPTER_SCHEME, Adapter
+
+__all__ = ["ADAPTER_SCHEME", "AdapterLoader", "AdapterStore", "adapter_int_id", "lora_request"]
+
+
+def adapter_int_id(name: str) -> int:
+    """A stable `lora_int_id` for `name`, above the ids vLLM's server counts from 1."""
+    return (1 << 30) + zlib.crc32(name.encode()) % (1 << 30)
+
+
+def lora_request(name: str, int_id: int | None = None) -> Any:
+    """vLLM's `LoRARequest` for the wt adapter `name` (for `LLM.generate(..., lora_request=)`)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(
+        lora_name=name,
+        lora_int_id=adapter_int_id(name) if int_id is None else int_id,
+        lora_path=ADAPTER_SCHEME + name,
+    )
+
+
+@dataclass(frozen=True)
+class _Version:
+    """One committed version of an adapter: its tensors and vLLM's reading of its config."""
+
+    tensors: dict[str, torch.Tensor]
+    peft_helper: Any
+
+
+class AdapterStore:
+    """The adapters one worker serves from memory (see the module docstring)."""
+
+    def __init__(self, manager: Any, worker_manager: Any) -> None:
+        self.manager = manager  # vLLM's LoRAModelManager (`model.lora_manager`)
+        self.worker_manager = worker_manager
+        self.versions: dict[str, _Version] = {}
+        self.ids: dict[str, set[int]] = {}  # the ids vLLM holds each adapter under
+        self._lock = threading.Lock()
+        from_disk = worker_manager._load_adapter
+
+        def load_adapter(request: Any) -> Any:
+            path = getattr(request, "lora_path", "")
+            if isinstance(path, str) and path.startswith(ADAPTER_SCHEME):
+                return self.model_for(path[len(ADAPTER_SCHEME) :], request.lora_int_id)
+            return from_disk(request)
+
+        worker_manager._load_adapter = load_adapter
+
+    def model_for(self, name: str, lora_id: int) -> Any:
+        """A `LoRAModel` of the committed adapter `name` under `lora_id`."""
+        with self._lock:
+            version = self.versions.get(name)
+            if version is None:
+                from vllm.exceptions import LoRAAdapterNotFoundError
+
+                raise LoRAAdapterNotFoundError(name, ADAPTER_SCHEME + name)
+            self.ids.setdefault(name, set()).add(lora_id)
+        return self.build(version, lora_id)
+
+    def build(self, version: _Version, lora_id: int) -> Any:
+        from vllm.lora.lora_model import LoRAModel
+
+        worker = self.worker_manager
+        mapper = getattr(self.manager.model, "hf_to_vllm_mapper", None)
+        copies = {name: t.clone() for name, t in version.tensors.items()}  # vLLM scales in place
+        return LoRAModel.from_lora_tensors(
+            lora_model_id=lora_id,
+            tensors=copies,
+            peft_helper=version.peft_helper,
+            device="cpu",
+            dtype=worker.lora_config.lora_dtype,
+            model_vocab_size=worker.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(self.manager.model, "lora_skip_prefixes", None),
+        )
+
+    def check(self, name: str, version: _Version) -> None:
+        """Refuse a version this engine could not activate, naming what is wrong."""
+        from vllm.lora.utils import parse_fine_tuned_lora_name
+
+        helper = version.peft_helper
+        try:
+            helper.validate_legal(self.worker_manager.lora_config)
+        except ValueError as error:
+            raise ValueError(f"LoRA adapter {name!r}: {error}") from None
+        expected = set()
+        packed = self.manager.packed_modules_mapping
+        for module in self.manager.supported_lora_modules:
+            expected.update(packed.get(module, [module]))
+        for tensor_name, tensor in version.tensors.items():
+            module_name, _ = parse_fine_tuned_lora_name(tensor_name)
+            if module_name.rsplit(".", 1)[-1] not in expected | set(helper.modules_to_save or ()):
+                raise ValueError(
+                    f"LoRA adapter {name!r}: parameter {tensor_name!r} targets a module this "
+                    f"model cannot adapt (its LoRA modules: {sorted(expected)})"
+                )
+            if tensor.dim() != 2:
+                raise ValueError(
+                    f"LoRA adapter {name!r}: parameter {tensor_name!r} has shape "
+                    f"{tuple(tensor.shape)}, not a matrix"
+                )
+        lora = self.build(version, 1)
+        self.manager._create_merged_loras_inplace(lora)
+        for module_name, module in self.manager.modules.items():
+            weights = lora.loras.get(module_name)
+            if weights is not None and hasattr(module, "lora_a_stacked"):
+                _check_slots(name, module_name, module, weights, packed)
+
+    def install(self, name: str, version: _Version | None) -> _Version | None:
+        """Serve `version` as `name` (None: remove it); returns the one it replaces.
+        Every id vLLM holds the replaced one under is replaced in vLLM's cache too
+        (removed, for a removal), so the next step activates this one."""
+        with self._lock:
+            previous = self.versions.pop(name, None)
+            if version is not None:
+                self.versions[name] = version
+            held = self.ids.pop(name, set()) if version is None else set(self.ids.get(name, ()))
+        for lora_id in held:
+            cached = self.manager.get_adapter(lora_id) is not None
+            self.manager.remove_adapter(lora_id)
+            if version is not None and cached:  # one evicted since loads through the hook
+                self.manager.add_adapter(self.build(version, lora_id))
+        return previous
+
+
+def _check_slots(
+    name: str, module_name: str, module: Any, weights: Any, packed: dict[str, list[str]]
+) -> None:
+    """`weights` fit `module`'s LoRA slots exactly (vLLM's `set_lora` would copy a
+    smaller tensor into part of a slot without a word). The error names the
+    adapter's module (`q_proj`), not only vLLM's packed one (`qkv_proj`)."""
+    lora_a, lora_b = weights.lora_a, weights.lora_b
+    if getattr(module, "tp_size", 1) > 1:
+        lora_a, lora_b = module.slice_lora_a(lora_a), module.slice_lora_b(lora_b)
+    a_list = lora_a if isinstance(lora_a, list) else [lora_a]
+    b_list = lora_b if isinstance(lora_b, list) else [lora_b]
+    prefix, _, last = module_name.rpartition(".")
+    for i, (a, b) in enumerate(zip(a_list, b_list, strict=True)):
+        if a is None or b is None:
+            continue
+        slot_a, slot_b = module.lora_a_stacked[i], module.lora_b_stacked[i]
+        rank, fan_in, fan_out = a.shape[0], slot_a.shape[-1], slot_b.shape[-2]
+        if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
+            parts = packed.get(last)
+            adapted = f"{prefix}.{parts[i]}" if parts and i < len(parts) else module_name
+            raise ValueError(
+                f"LoRA adapter {name!r}: module {adapted!r} (vLLM's {module_name!r}) takes "
+                f"lora_A of shape (r, {fan_in}) and lora_B of shape ({fan_out}, r), got "
+                f"{tuple(a.shape)} and {tuple(b.shape)}"
+            )
+
+
+_stores: weakref.WeakKeyDictionary[Any, AdapterStore] = weakref.WeakKeyDictionary()
+_stores_lock = threading.Lock()
+
+
+def store_for(model: torch.nn.Module) -> AdapterStore:
+    """The worker's adapter store (made on first use); `RuntimeError` without LoRA."""
+    manager = getattr(model, "lora_manager", None)
+    if manager is None:
+        raise RuntimeError(
+            "this vLLM engine serves no LoRA adapters: start it with enable_lora=True "
+            "(--enable-lora) and a max_lora_rank at least the adapter's rank"
+        )
+    with _stores_lock:
+        store = _stores.get(manager)
+        if store is None:
+            store = _stores[manager] = AdapterStore(manager, _worker_manager_of(manager))
+        return store
+
+
+def _worker_manager_of(manager: Any) -> Any:
+    """The `WorkerLoRAManager` that drives `manager`. vLLM keeps no link back to it,
+    so it is read off the worker whose control call is running (on the stack: a
+    worker's `model_runner.lora_manager`)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        holder = frame.f_locals.get("self")
+        for owner in (holder, getattr(holder, "model_runner", None)):
+            candidate = getattr(owner, "lora_manager", None)
+            if getattr(candidate, "_adapter_manager", None) is manager:
+                return candidate
+        frame = frame.f_back  # type: ignore[assignment]
+    raise RuntimeError(
+        "the vLLM worker driving this model's LoRA adapters was not found on the stack "
+        "(an adapter round starts from the worker's update_weights call)"
+    )
+
+
+class AdapterLoader:
+    """The transaction of a round that updates (or removes) one adapter; see the module doc."""
+
+    exact_undo = True
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, adapter: Adapter) -> None:
+        self.model = model
+        self.vllm_config = vllm_config
+        self.adapter = adapter
+        self.staged: dict[str, torch.Tensor] = {}
+        self.store: AdapterStore | None = None
+        self._undo: tuple[_Version | None] | None = None
+        self._ended = False
+
+    def begin(self) -> None:
+        self.store = store_for(self.model)
+        if self.adapter.remove and self.adapter.name not in self.store.versions:
+            raise ValueError(f"no LoRA adapter {self.adapter.name!r} to remove")
+
+    def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        if self._ended:
+            raise RuntimeError(f"adapter {self.adapter.name!r}: load after the round ended")
+        if self.adapter.remove:
+            raise ValueError(f"adapter {self.adapter.name!r}: a removal round loads nothing")
+        for name, tensor in weights:
+            if ".lora_" not in name:
+                raise ValueError(
+                    f"adapter {self.adapter.name!r}: parameter {name!r} is not a LoRA tensor"
+                )
+            if name in self.staged:
+                raise ValueError(f"adapter {self.adapter.name!r}: parameter {name!r} sent twice")
+            self.staged[name] = tensor.detach().to("cpu", copy=True)
+
+    def commit(self, keep_undo: bool = False) -> None:
+        if self._ended:
+            return
+        store = self.store
+        assert store is not None, "commit before begin"
+        version = None
+        if not self.adapter.remove:
+            if not self.staged:
+                raise ValueError(f"adapter {self.adapter.name!r}: the round sent no tensors")
+            from vllm.lora.peft_helper import PEFTHelper
+
+            config = dict(self.adapter.config)
+            config["vllm_max_position_embeddings"] = store.worker_manager.max_position_embeddings
+            try:
+                helper = PEFTHelper.from_dict(config)
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    f"wt_adapter: field 'config' is not a LoRA config: {error}"
+                ) from None
+            version = _Version(self.staged, helper)
+            store.check(self.adapter.name, version)
+        previous = store.install(self.adapter.name, version)
+        self._ended = True
+        self.staged = {}
+        self._undo = (previous,) if keep_undo else None
+
+    def abort(self) -> None:
+        self._ended = True
+        self.staged = {}
+
+    def revert(self) -> None:
+        if self._undo is None or self.store is None:
+            raise RuntimeError(f"adapter {self.adapter.name!r}: no committed round is held")
+        (previous,), self._undo = self._undo, None
+        self.store.install(self.adapter.name, previous)
+
+    def release(self) -> None:
+        self._undo = None
