@@ -188,6 +188,43 @@ def test_http_client_leaves_an_incomplete_model_paused(server: Server) -> None:
     ]  # fmt: skip
 
 
+def test_http_client_registers_an_adapter_name_only_when_the_server_lacks_it(
+    server: Server,
+) -> None:
+    """After each adapter round: `/v1/models` read, the name registered only when it is
+    not listed (the first sync, a restarted server); a removal unregisters it, and a
+    server that never knew the name (404) is no error."""
+    from weight_transfer import Adapter
+
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=10)
+    adapter = Adapter("policy", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+
+    def listing(*names: str) -> None:
+        body = {"data": [{"id": "base"}, *({"id": n} for n in names)]}
+        server.answers["/v1/models"] = (200, json.dumps(body).encode())
+
+    def posted() -> list[tuple[str, Any]]:
+        return [(path, body) for method, path, body in server.seen if method == "POST"]
+
+    listing()
+    client.adapter_landed(adapter)  # first sync: registered under the wt-adapter path
+    assert posted() == [
+        ("/v1/load_lora_adapter", {"lora_name": "policy", "lora_path": "wt-adapter:policy"})
+    ]
+    listing("policy")
+    client.adapter_landed(adapter)  # listed: nothing posted
+    assert len(posted()) == 1
+    listing()
+    client.adapter_landed(adapter)  # a restarted server lost the name: registered again
+    assert len(posted()) == 2
+    server.answers["/v1/unload_lora_adapter"] = (404, b'{"error": {"message": "not found"}}')
+    client.adapter_landed(Adapter("policy", remove=True))
+    assert posted()[-1] == ("/v1/unload_lora_adapter", {"lora_name": "policy"})
+    server.answers["/v1/unload_lora_adapter"] = (500, b'{"error": {"message": "boom"}}')
+    with pytest.raises(WeightSyncRPCError, match="boom"):
+        client.adapter_landed(Adapter("policy", remove=True))
+
+
 @pytest.mark.parametrize(
     ("payload", "detail"),
     [

@@ -66,6 +66,7 @@ __all__ = [
 PauseMode = Literal["keep", "wait", "abort"]
 IDEMPOTENT_ROUTES = frozenset(
     {"/pause", "/resume", "/is_paused", "/reset_prefix_cache", "/weight_info", "/get_world_size"}
+    | {"/v1/models"}
 )
 PAUSE_MODES = ("keep", "wait", "abort")
 logger = logging.getLogger("weight_transfer")
@@ -300,7 +301,6 @@ class HTTPVLLMWeightSyncClient(_PausingClient):
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
         self._swap = threading.Lock()  # guards `_http` and `_users`
         self._users: dict[Any, int] = {}  # requests in flight per client
-        self._adapters: set[str] = set()  # LoRA adapter names registered with the server
 
     def _request(
         self, method: str, route: str, body: Any = None, *, timeout: float | None = None
@@ -399,25 +399,22 @@ class HTTPVLLMWeightSyncClient(_PausingClient):
         self._request("POST", "/shutdown_weight_transfer_engine")
 
     def adapter_landed(self, adapter: Adapter) -> None:
-        """Register a synced LoRA adapter's name with the server, once per client
-        (`/v1/load_lora_adapter`, path `wt-adapter:<name>`: the workers serve it from
-        memory), so the OpenAI `model` field names it; unregister a removed one.
-        The server needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` for these routes."""
+        """Register a synced LoRA adapter's name with the server when the server does
+        not list it (`/v1/models`: a first sync, a restarted server), through
+        `/v1/load_lora_adapter` with the path `wt-adapter:<name>` (the workers serve
+        it from memory), so the OpenAI `model` field names it; unregister a removed
+        one. The server needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` for these routes."""
         if adapter.remove:
-            self._adapters.discard(adapter.name)
             try:
                 self._request("POST", "/v1/unload_lora_adapter", {"lora_name": adapter.name})
             except WeightSyncRPCError as error:
                 if error.status != 404:  # 404: the server did not know the name
                     raise
-        elif adapter.name not in self._adapters:
-            body = {
-                "lora_name": adapter.name,
-                "lora_path": ADAPTER_SCHEME + adapter.name,
-                "load_inplace": True,
-            }
+            return
+        listed = {model["id"] for model in self._request("GET", "/v1/models")["data"]}
+        if adapter.name not in listed:
+            body = {"lora_name": adapter.name, "lora_path": ADAPTER_SCHEME + adapter.name}
             self._request("POST", "/v1/load_lora_adapter", body)
-            self._adapters.add(adapter.name)
 
     def is_paused(self) -> bool:
         return bool(self._request("GET", "/is_paused")["is_paused"])
