@@ -9,8 +9,8 @@ client) that the adapter is there. `remove_adapter` runs a round that removes
 one.
 
 Worker side (`weight_transfer.runtime.worker_round`): the control retargets
-the open round at the host's adapter loader (`WeightTransferEngine.new_adapter_loader`;
-in vLLM `weight_transfer.vllm.adapters.AdapterLoader`). It stages what the
+the open round at the host's adapter loader (`Host.adapter_loader`; in vLLM
+`weight_transfer.vllm.adapters.AdapterLoader`). It stages what the
 backend loads and swaps the adapter in at commit, so requests on the adapter
 see the old adapter or the new one; a failed round keeps the old one, and the
 model's own weights are never touched. The tensors travel through the

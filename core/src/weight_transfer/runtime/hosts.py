@@ -44,6 +44,10 @@ class Host(Protocol):
         """The generation running the calling worker, asked on one of its control
         calls; None when this host cannot reach it."""
 
+    # Optional: `adapter_loader(model, vllm_config, adapter)`, the loader of a round
+    # that updates a LoRA adapter (`weight_transfer.runtime.adapters`); a host
+    # without it refuses such rounds.
+
 
 _hosts: list[Host] = []
 

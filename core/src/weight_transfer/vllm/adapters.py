@@ -6,28 +6,30 @@ wt keeps the adapters it synced in memory instead:
 
 - `lora_request(name)` is the request of a wt adapter: its path is
   `wt-adapter:<name>` (`ADAPTER_SCHEME`). On the HTTP server the HTTP client
-  registers that path under the adapter's name once (`/v1/load_lora_adapter`),
-  so the OpenAI `model` field names it.
-- Each worker has one `AdapterStore` (per vLLM LoRA manager): the committed
-  adapters by name, made by the first adapter round. It wraps the worker LoRA
-  manager's `_load_adapter`, so a
-  request whose path has the scheme is served from the store, under the id the
-  request carries; any other path loads from disk as before.
+  registers that path under the adapter's name (`/v1/load_lora_adapter`,
+  whenever `/v1/models` lacks it), so the OpenAI `model` field names it.
+- Each worker has one `AdapterStore` (per vLLM LoRA manager), made by the first
+  adapter round: the committed adapters by name. It wraps the worker LoRA
+  manager's `_load_adapter`, so a request whose path has the scheme is served
+  from the store, under the id the request carries; any other path loads from
+  disk as before.
 - `AdapterLoader` is the round's transaction for an adapter round
   (`weight_transfer.runtime.adapters`). `load` stages copies of the tensors
   (a transport may reuse its buffers); `commit` builds vLLM's `LoRAModel` and
   checks it against the engine (the rank against `max_lora_rank`, every module
   a LoRA target of this model, every shape against the module's LoRA slots)
   before it changes anything, then swaps it into the store and replaces
-  vLLM's copies of the previous version, so the next step that runs the
-  adapter activates the new one. vLLM runs a control call between steps, so a step
-  sees one version of the adapter, whole. `abort` drops what was staged: the
-  previous adapter and the model's weights are untouched. `commit(keep_undo=True)`,
-  `revert` and `release` make it a `Revertible` for fleets.
+  vLLM's cached copies of the previous version, so the next step that runs
+  the adapter activates the new one. vLLM runs a control call between steps,
+  so a step sees one version of the adapter, whole. `abort` drops what was
+  staged: the previous adapter and the model's weights are untouched.
+  `commit(keep_undo=True)`, `revert` and `release` make it a `Revertible`
+  for fleets.
 
-Version-pinned to vLLM 0.32's LoRA manager (`WorkerLoRAManager._load_adapter`,
-`LoRAModelManager.modules`, `_create_merged_loras_inplace`, `remove_adapter`,
-`model.lora_manager`).
+Version-pinned to vLLM 0.32's LoRA manager, which 0.33.0 keeps
+(`WorkerLoRAManager._load_adapter`, `LoRAModelManager.modules`,
+`_create_merged_loras_inplace`, `get_adapter` / `add_adapter` / `remove_adapter`,
+`model.lora_manager`; `tests/vllm/test_vllm_contract.py`).
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ class AdapterStore:
         for lora_id in held:
             cached = self.manager.get_adapter(lora_id) is not None
             self.manager.remove_adapter(lora_id)
-            if version is not None and cached:  # one evicted since loads through the hook
+            if version is not None and cached:  # an evicted id reloads through the hook
                 self.manager.add_adapter(self.build(version, lora_id))
         return previous
 
@@ -243,6 +245,7 @@ class AdapterLoader:
         self.store: AdapterStore | None = None
         self._undo: tuple[_Version | None] | None = None
         self._ended = False
+        self._lock = threading.Lock()  # a transport's load thread against the control thread
 
     def begin(self) -> None:
         self.store = store_for(self.model)
@@ -250,6 +253,10 @@ class AdapterLoader:
             raise ValueError(f"no LoRA adapter {self.adapter.name!r} to remove")
 
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        with self._lock:
+            self._stage(weights)
+
+    def _stage(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         if self._ended:
             raise RuntimeError(f"adapter {self.adapter.name!r}: load after the round ended")
         if self.adapter.remove:
@@ -290,8 +297,9 @@ class AdapterLoader:
         self._undo = (previous,) if keep_undo else None
 
     def abort(self) -> None:
-        self._ended = True
-        self.staged = {}
+        with self._lock:
+            self._ended = True
+            self.staged = {}
 
     def revert(self) -> None:
         if self._undo is None or self.store is None:
