@@ -15,11 +15,10 @@ import os
 from typing import Any
 
 import torch
+from wt_tools.lora_bench import RANK, TARGETS
 
 from tests.vllm.conftest import INITIAL_SEED
 
-RANK = 16
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ENGINE_LORA_KWARGS: dict[str, Any] = {"enable_lora": True, "max_lora_rank": RANK, "max_loras": 2}
 
 
