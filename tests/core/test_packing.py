@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -315,3 +316,117 @@ def test_a_packed_finite_check_ignores_padding_and_names_the_bad_parameter() -> 
     packer = Packer(plan, iter(zip(metas, tensors, strict=True)), finite=True)
     with pytest.raises(ValueError, match=r"'layers\.0\.w4' \(parameter #4\)"):
         packer.pack(0, buffers)
+
+
+# -- the finite check of float8 ---------------------------------------------------------
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# (dtype, byte): NaN (either sign) in both formats, and e5m2's two infinities
+FLOAT8_NON_FINITE = [
+    pytest.param(E5M2, 0x7E, id="e5m2-nan"),
+    pytest.param(E5M2, 0xFD, id="e5m2-negative-nan"),
+    pytest.param(E5M2, 0x7C, id="e5m2-inf"),
+    pytest.param(E5M2, 0xFC, id="e5m2-negative-inf"),
+    pytest.param(E4M3, 0x7F, id="e4m3fn-nan"),
+    pytest.param(E4M3, 0xFF, id="e4m3fn-negative-nan"),
+]
+
+
+def float8_finite(dtype: torch.dtype, shape: tuple[int, ...], shift: int = 0) -> torch.Tensor:
+    """Every finite value of `dtype` in turn, `shift` values on, as `shape`: its largest
+    (448 or 57,344) of either sign, negative zero and the subnormals among them."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[codes.view(dtype).float().isfinite()]
+    values = finite.view(dtype).float()
+    top = torch.finfo(dtype).max
+    assert top in (448.0, 57344.0) and {top, -top} <= set(values.tolist())
+    assert (values == 0).logical_and(values.signbit()).any()  # negative zero
+    picks = (torch.arange(math.prod(shape)) + shift) % len(finite)
+    return finite[picks].view(dtype).reshape(shape)
+
+
+def with_byte(tensor: torch.Tensor, index: int, byte: int) -> torch.Tensor:
+    """A copy of `tensor` (of its strides) whose element `index`, in flat order, has the
+    bits `byte`."""
+    out = tensor.clone()
+    out.view(torch.uint8)[torch.unravel_index(torch.tensor(index), out.shape)] = byte
+    return out
+
+
+FLOAT8_BUCKET = [  # one bucket: float8 runs of adjacent pieces, with padding between runs
+    ParamMeta("layers.0.w0", torch.float32, (3,)),
+    ParamMeta("layers.0.w1", E4M3, (64,)),
+    ParamMeta("layers.0.w2", E4M3, (5,)),
+    ParamMeta("layers.0.w3", E5M2, (64,)),
+    ParamMeta("layers.0.w4", E5M2, (3, 7)),
+    ParamMeta("layers.0.w5", torch.bfloat16, (2,)),
+]
+
+
+@pytest.mark.parametrize(("dtype", "byte"), FLOAT8_NON_FINITE)
+@pytest.mark.parametrize("index", [0, -1])
+def test_a_packed_finite_check_names_the_float8_parameter(
+    dtype: torch.dtype, byte: int, index: int
+) -> None:
+    """Finite float8 (every finite value) packs bit-exact, the padding is not checked;
+    a NaN or an infinity is refused naming its parameter, nothing of the bucket out."""
+    from weight_transfer.kits.stream.packing import Packer, float_runs
+
+    plan = plan_buckets(FLOAT8_BUCKET, buffer_bytes=4096)
+    assert len(plan.buckets) == 1
+    assert [run[0] for run in float_runs(plan, 0)] == [torch.float32, E4M3, E5M2, torch.bfloat16]
+    buffers = RotatingBuffers(1, "cpu")
+    buffers.get(0, plan.buckets[0].nbytes)[:] = 0xFF  # NaN in every float dtype here
+    tensors = [
+        float8_finite(m.dtype, m.shape, shift=37 * i)
+        if m.dtype in (E4M3, E5M2)
+        else torch.ones(m.shape, dtype=m.dtype)
+        for i, m in enumerate(FLOAT8_BUCKET)
+    ]
+    tensors[4] = float8_finite(E5M2, (7, 3)).t()  # not contiguous
+    out = Packer(plan, iter(zip(FLOAT8_BUCKET, tensors, strict=True)), finite=True).pack(0, buffers)
+    for piece, tensor in zip(plan.buckets[0].pieces, tensors, strict=True):
+        assert torch.equal(out[piece.offset : piece.offset + piece.nbytes], as_bytes(tensor))
+
+    bad = 2 if dtype == E4M3 else 4  # the second piece of its dtype's run
+    tensors[bad] = with_byte(tensors[bad], index % FLOAT8_BUCKET[bad].numel, byte)
+    packer = Packer(plan, iter(zip(FLOAT8_BUCKET, tensors, strict=True)), finite=True)
+    with pytest.raises(ValueError, match=rf"'layers\.0\.w{bad}' \(parameter #{bad}\)"):
+        packer.pack(0, buffers)
+
+
+# one-piece buckets: each parameter alone, the second larger than a bucket of `bytes_of`
+FLOAT8_ALONE = [ParamMeta("layers.0.a", E5M2, (5, 8)), ParamMeta("layers.1.b", E4M3, (150,))]
+
+
+def one_piece_buckets(path: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every bucket's bytes as `Packer.bytes_of` or `Packer.whole` hands them out."""
+    from weight_transfer.kits.stream.packing import Packer, plan_per_tensor
+
+    if path == "bytes_of":
+        plan = plan_buckets(FLOAT8_ALONE, buffer_bytes=64)
+        assert [len(b.pieces) for b in plan.buckets] == [1, 1, 1, 1]
+    else:
+        plan = plan_per_tensor(FLOAT8_ALONE, buffer_bytes=4096)
+    packer = Packer(plan, iter(zip(FLOAT8_ALONE, tensors, strict=True)), finite=True)
+    if path == "bytes_of":
+        buffers = RotatingBuffers(1, "cpu")
+        return [packer.bytes_of(k, buffers).clone() for k in range(len(plan.buckets))]
+    return [as_bytes(packer.whole(k)) for k in range(len(plan.buckets))]
+
+
+@pytest.mark.parametrize(("dtype", "byte"), FLOAT8_NON_FINITE)
+@pytest.mark.parametrize("path", ["bytes_of", "whole"])
+def test_a_one_piece_finite_check_names_the_float8_parameter(
+    path: str, dtype: torch.dtype, byte: int
+) -> None:
+    """As the packed check, for a bucket of one piece (one tensor, or a piece of one
+    split across buckets), sent from the source's memory or copied."""
+    tensors = [float8_finite(E5M2, (8, 5)).t(), float8_finite(E4M3, (150,), shift=3)]
+    got = torch.cat(one_piece_buckets(path, tensors))
+    assert torch.equal(got, torch.cat([as_bytes(t) for t in tensors]))
+
+    bad = 0 if dtype == E5M2 else 1
+    tensors[bad] = with_byte(tensors[bad], tensors[bad].numel() - 1, byte)  # its last bucket
+    name = FLOAT8_ALONE[bad].name.replace(".", r"\.")
+    with pytest.raises(ValueError, match=rf"'{name}' \(parameter #{bad}\)"):
+        one_piece_buckets(path, tensors)

@@ -211,6 +211,24 @@ def test_first_non_finite_names_the_first_bad_tensor_across_dtypes(bad: float) -
     assert first_non_finite(tensors) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_first_non_finite_checks_every_float8_encoding(dtype: torch.dtype) -> None:
+    """Each of the 256 bit patterns is refused iff it is NaN or infinite (as float32),
+    in one call over tensors of several dtypes, named by the first bad index."""
+    from weight_transfer.runtime.finite import first_non_finite
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    bad = ~codes.view(dtype).float().isfinite()
+    assert bad.sum() == (8 if dtype == torch.float8_e5m2 else 2)  # e5m2: 2 infinities, 6 NaN
+    finite = codes[~bad].view(dtype)
+    for code in range(256):
+        one = codes[code : code + 1].view(dtype)
+        tensors = [finite, torch.ones(2), one.reshape(1, 1).expand(3, 2), one.new_empty(0)]
+        assert first_non_finite(tensors) == (2 if bad[code] else None), code
+        tensors[0] = one
+        assert first_non_finite(tensors) == (0 if bad[code] else None), code
+
+
 # -- vLLM 0.33's way of writing a source ---------------------------------------------
 @pytest.mark.parametrize(
     ("kw", "field"),

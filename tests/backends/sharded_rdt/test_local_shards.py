@@ -11,7 +11,9 @@ shard loaded the ordinary way, and the bytes each rank served with its share.
 
 from __future__ import annotations
 
+import copy
 import functools
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -159,3 +161,76 @@ def test_local_shards_asked_of_a_source_without_iter_local_is_refused(shards: An
 
     with pytest.raises(ValueError, match="local_shards"):
         shards(1).trainer(DictSource(checkpoint(1)), rank=0, local_shards=True)
+
+
+class MisdeclaredSource(ShardSource):
+    """`ShardSource` whose `layers.0.o.weight` declares `layout` (`ParamMeta` keywords)
+    instead of its own."""
+
+    def __init__(self, *args: Any, layout: dict[str, Any]) -> None:
+        super().__init__(*args)
+        self.misdeclared = layout
+
+    @functools.cached_property
+    def metadata(self) -> list[ParamMeta]:  # type: ignore[override]
+        metas = ShardSource.metadata.func(self)  # type: ignore[attr-defined]
+        return [
+            ParamMeta(m.name, m.dtype, m.shape, **self.misdeclared)
+            if m.name == "layers.0.o.weight"
+            else m
+            for m in metas
+        ]
+
+
+@pytest.mark.parametrize(
+    ("layout", "field", "says"),
+    [
+        (
+            {"owners": (0, 5), "placements": (Shard(0),)},
+            "owners",
+            r"rank 5, but the trainer has 2 ranks \(0\.\.1\)",
+        ),
+        ({"owners": (2, 1), "placements": (Shard(0),)}, "owners", "names trainer rank 2"),
+        ({"owners": (0, 5)}, "owners", "names trainer rank 5"),  # replicated on its owners
+        ({"owners": (1, 1), "placements": (Shard(0),)}, "owners", "distinct"),
+        ({"owners": (0, 1), "mesh_shape": (2, 2)}, "mesh_shape", "does not cover"),
+        ({"owners": (0, 1), "mesh_shape": (-1, -2)}, "mesh_shape", "does not cover"),
+        ({"owners": (0, 1), "placements": (Shard(0), Shard(1))}, "placements", "2 entries"),
+        ({"owners": (0, 1), "placements": (Shard(2),)}, "placements", "shards dim 2"),
+    ],
+)
+def test_an_impossible_layout_is_refused_at_trainer_init_naming_the_parameter(
+    shards: Any, layout: dict[str, Any], field: str, says: str
+) -> None:
+    """Every rank refuses before its producer starts, so no consumer is reached."""
+    s = shards(1)
+    for rank in (1, 0):
+        source = MisdeclaredSource(checkpoint(1), rank, (2,), fsdp, layout=layout)
+        with pytest.raises(ValueError) as error:
+            s.trainer(source, rank=rank, client=object(), num_trainer_ranks=2)
+        text = str(error.value)
+        assert text.startswith("parameter 'layers.0.o.weight': field "), text
+        assert f"field '{field}'" in text and re.search(says, text), text
+    assert all(e.info is None for e in s.engines)
+
+
+def test_a_worker_refuses_a_handshake_whose_layout_names_a_missing_rank(shards: Any) -> None:
+    """Its init fails at the parse, naming the parameter and the field, before any
+    producer is asked; the worker keeps serving its weights."""
+    s = shards(1)
+    engine = s.trainer(ShardSource(checkpoint(1), 0, (1,), fsdp), rank=0)
+    try:
+        engine.send_weights()
+        s.assert_serving(1)
+        payload = copy.deepcopy(engine.get_worker_init_payload())
+        payload["shard_layouts"]["layers.0.o.weight"] = [[0, 1], [2], [0]]
+        with pytest.raises(ValueError) as error:
+            s.sessions[0].init_weight_transfer_engine(payload)
+        assert str(error.value).startswith(
+            "init_info: field 'shard_layouts[layers.0.o.weight]': parameter "
+            "'layers.0.o.weight': field 'owners' names trainer rank 1, but the trainer has "
+            "1 rank (0..0)"
+        ), error.value
+        s.assert_serving(1)
+    finally:
+        engine.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -75,6 +76,43 @@ def test_malformed_handshake_names_the_field(change: dict[str, Any], field: str)
         ValueError, match=f"field '{field}'".replace("[", r"\[").replace("]", r"\]")
     ):
         ShardedRDTWorkerInitInfo(**handshake(**change))
+
+
+@pytest.mark.parametrize(
+    ("layout", "field", "says"),
+    [
+        (
+            [[0, 2], [2], [0]],
+            "owners",
+            r"names trainer rank 2, but the trainer has 2 ranks \(0\.\.1\)",
+        ),
+        ([[7], [1], [1]], "owners", "names trainer rank 7"),
+        ([[1, 1], [2], [0]], "owners", "distinct"),
+        ([[0, -1], [2], [0]], "owners", "non-negative"),
+        ([[0, 1], [3], [0]], "mesh_shape", "does not cover"),
+        ([[0, 1], [-1, -2], [0, 0]], "mesh_shape", "does not cover"),
+        ([[0, 1], [2], [0, 1]], "placements", "2 entries for a 1-D mesh"),
+        ([[0, 1], [2], [2]], "placements", "shards dim 2 of a 2-D tensor"),
+        ([[0, 1], [2], [-2]], "placements", "holds -2"),
+    ],
+)
+def test_a_handshake_with_an_impossible_layout_names_the_parameter_and_field(
+    layout: list[list[int]], field: str, says: str
+) -> None:
+    """The consumer's parse refuses it (ValueError, never an IndexError or KeyError
+    later): its two producers are trainer ranks 0 and 1."""
+    with pytest.raises(ValueError) as error:
+        ShardedRDTWorkerInitInfo(**handshake(shard_layouts={"a.w": layout}))
+    text = str(error.value)
+    assert text.startswith(
+        f"init_info: field 'shard_layouts[a.w]': parameter 'a.w': field '{field}'"
+    )
+    assert re.search(says, text), text
+
+
+def test_a_handshake_whose_shard_layouts_is_no_mapping_names_the_field() -> None:
+    with pytest.raises(ValueError, match=r"field 'shard_layouts' must map names to layouts"):
+        ShardedRDTWorkerInitInfo(**handshake(shard_layouts=[["a.w", [[0], [1], [0]]]]))
 
 
 def test_handshake_round_trips_as_json() -> None:

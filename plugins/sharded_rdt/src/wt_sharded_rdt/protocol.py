@@ -236,6 +236,11 @@ class ShardedRDTWorkerInitInfo(WireProtocolInfo, WeightTransferInitInfo):
         check_int_range(self.chunk_bytes, field="chunk_bytes", what=what, low=1 << 10, high=1 << 40)
         for name in ("stall_timeout_s", "peer_timeout_s", "timeout_s"):
             check_timeout(getattr(self, name), field=name, what=what)
+        if not isinstance(self.shard_layouts, dict):
+            raise ValueError(
+                f"{what}: field 'shard_layouts' must map names to layouts, got "
+                f"{type(self.shard_layouts).__name__}"
+            )
         self.metas = []
         for i, (n, d, s) in enumerate(zip(self.names, self.dtype_names, self.shapes, strict=True)):
             if any(x < 0 for x in s):
@@ -243,7 +248,9 @@ class ShardedRDTWorkerInitInfo(WireProtocolInfo, WeightTransferInitInfo):
             meta = ParamMeta(n, dtype_from_name(d, field=f"dtype_names[{i}]"), tuple(s))
             layout = self.shard_layouts.get(n)
             if layout is not None:
-                meta = decode_layout(meta, layout, field=f"shard_layouts[{n}]")
+                meta = decode_layout(
+                    meta, layout, field=f"shard_layouts[{n}]", ranks=len(self.producer_names)
+                )
             self.metas.append(meta)
         unknown = sorted(set(self.shard_layouts) - set(self.names))
         if unknown:

@@ -35,6 +35,7 @@ __all__ = [
     "shard_pieces",
     "encode_layout",
     "decode_layout",
+    "check_owner_ranks",
 ]
 
 
@@ -156,17 +157,39 @@ def encode_layout(meta: ParamMeta) -> list[list[int]]:
     ]
 
 
-def decode_layout(meta: ParamMeta, layout: Any, *, field: str) -> ParamMeta:
-    """`meta` with the layout `encode_layout` wrote; `ValueError` names `field`."""
+def decode_layout(meta: ParamMeta, layout: Any, *, field: str, ranks: int) -> ParamMeta:
+    """`meta` with the layout `encode_layout` wrote, of a trainer of `ranks` ranks;
+    `ValueError` names `field`, then the parameter and its field that does not fit
+    (`ParamMeta`, `check_owner_ranks`; a placement is a dim or -1)."""
     try:
         owners, mesh_shape, placements = layout
-        return ParamMeta(
+        codes = [int(p) for p in placements]
+        if any(p < -1 for p in codes):
+            raise ValueError(
+                f"parameter {meta.name!r}: field 'placements' holds {min(codes)}, neither a "
+                "tensor dim nor -1 (Replicate)"
+            )
+        decoded = ParamMeta(
             meta.name,
             meta.dtype,
             meta.shape,
             owners=tuple(int(r) for r in owners),
             mesh_shape=tuple(int(n) for n in mesh_shape),
-            placements=tuple(Replicate() if int(p) < 0 else Shard(int(p)) for p in placements),
+            placements=tuple(Replicate() if p == -1 else Shard(p) for p in codes),
         )
+        check_owner_ranks(decoded, ranks)
     except (TypeError, ValueError) as error:
         raise ValueError(f"init_info: field {field!r}: {error}") from None
+    return decoded
+
+
+def check_owner_ranks(meta: ParamMeta, ranks: int) -> None:
+    """`ValueError` naming the parameter and its field 'owners' when an owner it
+    declares is not a rank of a trainer of `ranks` ranks (`0..ranks - 1`); the
+    other fields of a layout are checked where `ParamMeta` is made."""
+    beyond = [r for r in meta.owners or () if r >= ranks]
+    if beyond:
+        raise ValueError(
+            f"parameter {meta.name!r}: field 'owners' names trainer rank {beyond[0]}, but the "
+            f"trainer has {ranks} rank{'s' if ranks != 1 else ''} (0..{ranks - 1})"
+        )

@@ -1,7 +1,8 @@
 """Trainer side of `sharded_rdt`: every rank publishes what it holds; consumers pull.
 
 `trainer_init`, on every rank: check the source (`held_names()` must name
-known parameters and not be empty), start this rank's producer (named
+known parameters and not be empty, and the owners a parameter declares must
+be ranks of this trainer), start this rank's producer (named
 `<producer_prefix>-rk<rank>`, from the init info's explicit `rank`). The
 sender (rank 0) then finds every rank's producer (bounded wait), checks that
 all ranks describe the same metadata (digest) and that every name has a
@@ -65,7 +66,7 @@ from wt_sharded_rdt.protocol import (
     metadata_digest,
     owner_table,
 )
-from wt_sharded_rdt.shards import encode_layout
+from wt_sharded_rdt.shards import check_owner_ranks, encode_layout
 from wt_sharded_rdt.transport import ProducerClient, ProducerHost, forwarded_env
 
 __all__ = ["ShardedRDTTrainerInitInfo", "ShardedRDTTrainerEngine"]
@@ -184,6 +185,8 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
         self.info = info
         source = self.source
         self.metas = source.metadata()
+        for meta in self.metas:
+            check_owner_ranks(meta, info.num_trainer_ranks)
         self.groups = layerwise_groups(m.name for m in self.metas)
         self.group_of = {n: gi for gi, names in enumerate(self.groups) for n in names}
         self.meta_of = {m.name: m for m in self.metas}
