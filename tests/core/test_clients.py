@@ -109,14 +109,14 @@ def test_http_client_speaks_the_four_routes(server: Server) -> None:
     client.finish_weight_update(weight_version="step-42")
     assert server.seen == [
         ("POST", "/init_weight_transfer_engine", {"init_info": init}),
-        ("POST", "/pause?mode=keep", None),
         ("POST", "/start_weight_update", None),
+        ("POST", "/pause?mode=keep", None),
         ("POST", "/update_weights", {"update_info": update}),
         ("POST", "/finish_weight_update", None),
         ("POST", "/reset_prefix_cache", None),
         ("POST", "/resume", None),
-        ("POST", "/pause?mode=keep", None),
         ("POST", "/start_weight_update", None),
+        ("POST", "/pause?mode=keep", None),
         ("POST", "/update_weights", {"update_info": {"names": []}}),
         ("POST", "/finish_weight_update", {"weight_version": "step-42"}),
         ("POST", "/reset_prefix_cache", None),
@@ -131,8 +131,8 @@ def test_http_client_speaks_the_four_routes(server: Server) -> None:
     client.start_draft_weight_update()
     client.shutdown_weight_transfer_engine()
     assert [s[1] for s in server.seen] == [
-        "/pause?mode=keep",
         "/start_draft_weight_update",
+        "/pause?mode=keep",
         "/shutdown_weight_transfer_engine",
     ]
     client.close()
@@ -157,9 +157,9 @@ def test_http_client_resumes_after_every_round_that_the_workers_closed(
         client.finish_weight_update()
     routes = [s[1] for s in server.seen]
     assert routes == [
-        f"/pause?mode={mode}", "/start_weight_update", "/update_weights", "/resume",
-        f"/pause?mode={mode}", "/start_weight_update", "/resume",
-        f"/pause?mode={mode}", "/start_weight_update", "/finish_weight_update", "/resume",
+        "/start_weight_update", f"/pause?mode={mode}", "/update_weights", "/resume",
+        "/start_weight_update",  # refused: it opened nothing, so nothing was paused
+        "/start_weight_update", f"/pause?mode={mode}", "/finish_weight_update", "/resume",
     ]  # fmt: skip
     with pytest.raises(ValueError, match="pause must be one of keep, wait, abort or None"):
         HTTPVLLMWeightSyncClient(server.url, pause="later")  # type: ignore[arg-type]
@@ -182,44 +182,56 @@ def test_http_client_leaves_an_incomplete_model_paused(server: Server) -> None:
     client.update_weights({"names": ["x"]})
     client.finish_weight_update()
     assert [s[1] for s in server.seen] == [
-        "/pause?mode=keep", "/start_weight_update", "/update_weights",
-        "/pause?mode=keep", "/start_weight_update", "/update_weights", "/finish_weight_update",
+        "/start_weight_update", "/pause?mode=keep", "/update_weights",
+        "/start_weight_update", "/pause?mode=keep", "/update_weights", "/finish_weight_update",
         "/resume",
     ]  # fmt: skip
 
 
-def test_http_client_registers_an_adapter_name_only_when_the_server_lacks_it(
-    server: Server,
-) -> None:
-    """After each adapter round: `/v1/models` read, the name registered only when it is
-    not listed (the first sync, a restarted server); a removal unregisters it, and a
-    server that never knew the name (404) is no error."""
+def test_http_client_points_an_adapter_name_at_the_synced_adapter(server: Server) -> None:
+    """After each adapter round: `/v1/models` read; the name registered with the
+    wt path when it is not listed (the first sync, a restarted server), pointed back
+    (`load_inplace`) when listed with another path (a caller registered or
+    re-registered it), left alone when it points at the adapter; a removal
+    unregisters the name and every alias of its path, and a server that no longer
+    knows a name (404) is no error."""
     from weight_transfer import Adapter
 
     client = HTTPVLLMWeightSyncClient(server.url, timeout=10)
     adapter = Adapter("policy", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+    ours = "wt-adapter:policy"
 
-    def listing(*names: str) -> None:
-        body = {"data": [{"id": "base"}, *({"id": n} for n in names)]}
-        server.answers["/v1/models"] = (200, json.dumps(body).encode())
+    def listing(**roots: str) -> None:
+        cards = [{"id": "base", "root": "/models/base"}]
+        cards += [{"id": n, "root": r} for n, r in roots.items()]
+        server.answers["/v1/models"] = (200, json.dumps({"data": cards}).encode())
 
     def posted() -> list[tuple[str, Any]]:
         return [(path, body) for method, path, body in server.seen if method == "POST"]
 
     listing()
     client.adapter_landed(adapter)  # first sync: registered under the wt-adapter path
-    assert posted() == [
-        ("/v1/load_lora_adapter", {"lora_name": "policy", "lora_path": "wt-adapter:policy"})
-    ]
-    listing("policy")
-    client.adapter_landed(adapter)  # listed: nothing posted
+    assert posted() == [("/v1/load_lora_adapter", {"lora_name": "policy", "lora_path": ours})]
+    listing(policy=ours)
+    client.adapter_landed(adapter)  # listed with its path: nothing posted
     assert len(posted()) == 1
+    listing(policy="/tmp/someone-elses-adapter")
+    client.adapter_landed(adapter)  # squatted: pointed back in place
+    assert posted()[-1] == (
+        "/v1/load_lora_adapter",
+        {"lora_name": "policy", "lora_path": ours, "load_inplace": True},
+    )
     listing()
     client.adapter_landed(adapter)  # a restarted server lost the name: registered again
-    assert len(posted()) == 2
+    assert posted()[-1] == ("/v1/load_lora_adapter", {"lora_name": "policy", "lora_path": ours})
+    server.seen.clear()
+    listing(policy=ours, alias=ours, other="/tmp/other")
     server.answers["/v1/unload_lora_adapter"] = (404, b'{"error": {"message": "not found"}}')
     client.adapter_landed(Adapter("policy", remove=True))
-    assert posted()[-1] == ("/v1/unload_lora_adapter", {"lora_name": "policy"})
+    assert posted() == [
+        ("/v1/unload_lora_adapter", {"lora_name": "policy"}),
+        ("/v1/unload_lora_adapter", {"lora_name": "alias"}),
+    ]
     server.answers["/v1/unload_lora_adapter"] = (500, b'{"error": {"message": "boom"}}')
     with pytest.raises(WeightSyncRPCError, match="boom"):
         client.adapter_landed(Adapter("policy", remove=True))

@@ -204,30 +204,12 @@ class AlteredSource(WeightSource):
         return iter(self._pairs())
 
 
-class VersionedClient:
-    """Passes `version` (set before a round) to `finish_weight_update`."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.version: str | None = None
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.inner.init_weight_transfer_engine(init_info)
-
-    def start_weight_update(self) -> None:
-        self.inner.start_weight_update()
-
-    def update_weights(self, update_info: Any) -> None:
-        self.inner.update_weights(update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        version = weight_version if weight_version is not None else self.version
-        self.inner.finish_weight_update(weight_version=version)
-
-
-def connect(backend: str, client: Any, source: WeightSource, scratch: str, **wire: Any) -> Any:
-    """A trainer engine of `backend` (rank 0, CPU) connected through `client`; `wire`
-    overrides wire parameters of the nccl and ipc recipes (`verify=True`, say)."""
+def connect(
+    backend: str, client: Any, source: WeightSource, scratch: str, workers: int = 1, **wire: Any
+) -> Any:
+    """A trainer engine of `backend` (rank 0, CPU) connected through `client` to an
+    engine of `workers` workers (nccl); `wire` overrides wire parameters of the nccl
+    and ipc recipes (`verify=True`, say)."""
     if wire and backend not in ("nccl", "ipc"):
         raise ValueError(f"no wire parameters for backend {backend!r}")
     from weight_transfer import WeightTransferTrainerFactory
@@ -239,7 +221,7 @@ def connect(backend: str, client: Any, source: WeightSource, scratch: str, **wir
         info: Any = NCCLTrainerInitInfo(
             "127.0.0.1",
             free_port(),
-            2,
+            1 + workers,
             rank=0,
             timeout_s=60.0,
             device="cpu",
@@ -284,7 +266,7 @@ class Served:
 
     backend: str
     llm: Any
-    client: VersionedClient
+    client: Any
     source: SwitchSource
     scratch: str
     trainer: Any = None
@@ -305,9 +287,8 @@ class Served:
 
     def send(self, source: WeightSource, version: str | None = None) -> None:
         self.source.inner = source
-        self.client.version = version
         self.rounds += 1
-        self.trainer.send_weights()
+        self.trainer.send_weights(weight_version=version)
 
     @property
     def worker_engine(self) -> Any:
@@ -334,7 +315,7 @@ class ServedEngines:
                 **LLM_KWARGS,
             )
             KEEP_ALIVE.append(llm)
-            client = VersionedClient(LocalVLLMWeightSyncClient(llm))
+            client = LocalVLLMWeightSyncClient(llm)
             source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
             scratch = os.path.join(self.scratch, backend)
             os.makedirs(scratch, exist_ok=True)

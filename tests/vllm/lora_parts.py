@@ -54,16 +54,18 @@ def lora_bytes(model: Any, adapter_name: str) -> int:
     )
 
 
+_checkpoint_ids = itertools.count(1)  # one count per process: engines and servers are shared
+
+
 class Checkpoints:
-    """Adapters saved as PEFT saves them, each under a fresh name and id."""
+    """Adapters saved as PEFT saves them, each under a name and id no other has."""
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self._ids = itertools.count(1)
 
     def save(self, model: Any, adapter_name: str) -> tuple[str, str, int]:
         """(directory, a name for it, an id for it) of `adapter_name` as it is now."""
-        k = next(self._ids)
+        k = next(_checkpoint_ids)
         directory = os.path.join(self.root, f"ckpt{k}")
         model.save_pretrained(directory, selected_adapters=[adapter_name])
         if adapter_name != "default":  # PEFT saves other adapters in a folder of their own

@@ -30,22 +30,31 @@ from tests.vllm.conftest import (
 )
 from weight_transfer.kits.group.stateless import free_port
 
-__all__ = ["Server", "Traffic", "ServerPool", "READY_TIMEOUT_S"]
+__all__ = ["Server", "Traffic", "ServerPool", "READY_TIMEOUT_S", "SERVED_NAME"]
 
 READY_TIMEOUT_S = 240.0
 # Every server takes LoRA adapters (test_lora.py); with none named, its base outputs
 # are bit-identical to an engine's without LoRA.
 LORA_ARGS = ("--enable-lora", "--max-lora-rank", "16", "--max-loras", "2")
+# A second name the base model is served under (requests may name either).
+SERVED_NAME = "tiny-base"
 
 
 class Server:
     """One `vllm serve`-style API server process (and the engine it starts) on 127.0.0.1."""
 
     def __init__(
-        self, model_dir: str, log_path: str, backend: str = "nccl", port: int | None = None
+        self,
+        model_dir: str,
+        log_path: str,
+        backend: str = "nccl",
+        port: int | None = None,
+        *,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.model_dir = model_dir
         self.backend = backend
+        self.tensor_parallel_size = tensor_parallel_size
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -58,6 +67,10 @@ class Server:
         # starve each other (a tiny model's forward took 30+ s behind a busy neighbour).
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS="1")
         env.update(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")  # wt registers synced adapters' names
+        if self.tensor_parallel_size > 1:  # one core per worker (vLLM's CPU build binds them)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                str(i % (os.cpu_count() or 1)) for i in range(self.tensor_parallel_size)
+            )
         cmd = [
             sys.executable,
             "-m",
@@ -77,6 +90,11 @@ class Server:
             str(32 << 20),
             "--weight-transfer-config",
             json.dumps({"backend": f"wt_{self.backend}"}),
+            "--served-model-name",
+            self.model_dir,
+            SERVED_NAME,
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
             *LORA_ARGS,
         ]
         self._log = open(self.log_path, "ab")  # noqa: SIM115

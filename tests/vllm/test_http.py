@@ -23,7 +23,6 @@ from tests.vllm.conftest import (
     AlteredSource,
     References,
     SwitchSource,
-    VersionedClient,
     connect,
     hf_model,
     require_backend,
@@ -52,14 +51,12 @@ def test_http_sync_rounds_and_failures(
     server: Server, references: References, tmp_path: Any
 ) -> None:
     http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
-    client = VersionedClient(http)
     source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
-    trainer = connect(BACKEND, client, source, str(tmp_path))
+    trainer = connect(BACKEND, http, source, str(tmp_path))
     try:
         for round_, seed in enumerate((2, 3, 2), start=1):
             source.inner = ModuleSource(hf_model(seed))
-            client.version = f"http-{round_}"
-            trainer.send_weights()
+            trainer.send_weights(weight_version=f"http-{round_}")
             assert server.generate() == references.outputs(seed), f"round {round_}"
             assert server.weight_version() == f"http-{round_}"
             assert http.weight_version() == f"http-{round_}"
@@ -68,9 +65,8 @@ def test_http_sync_rounds_and_failures(
         bogus = "model.layers.1.mlp.bogus_proj.weight"
         model = hf_model(3)
         source.inner = AlteredSource(model, {down: (bogus, dict(model.named_parameters())[down])})
-        client.version = "never"
         with pytest.raises(WeightSyncRPCError) as failure:
-            trainer.send_weights()
+            trainer.send_weights(weight_version="never")
         assert failure.value.status == 500
         assert failure.value.method == "update_weights"
         assert "bogus_proj" in failure.value.detail
@@ -78,8 +74,7 @@ def test_http_sync_rounds_and_failures(
         assert server.weight_version() == "http-3"
 
         source.inner = ModuleSource(hf_model(3))
-        client.version = "http-4"
-        trainer.send_weights()
+        trainer.send_weights(weight_version="http-4")
         assert server.generate() == references.outputs(3)
         assert server.weight_version() == "http-4"
     finally:
@@ -93,7 +88,7 @@ from weight_transfer import HTTPVLLMWeightSyncClient, ParamMeta, WeightSource
 from weight_transfer import WeightTransferTrainerFactory
 from weight_transfer.runtime.control import SEAL_FIELD
 
-url, backend, path, point = sys.argv[1:5]
+url, backend, path, point, workers = sys.argv[1:6]
 state = torch.load(path)
 
 def hang():
@@ -118,8 +113,7 @@ class Hanging:
         return getattr(self.inner, name)
 
     def update_weights(self, info):
-        data, seal = "names" in info, SEAL_FIELD in info
-        if point == "after-start" and data or point == "before-finish" and seal:
+        if point == "before-finish" and SEAL_FIELD in info:
             hang()
         self.inner.update_weights(info)
 
@@ -128,36 +122,50 @@ class Hanging:
             hang()
         self.inner.resume_generation()
 
+class PausingClient(HTTPVLLMWeightSyncClient):
+    def _pause(self, mode):
+        super()._pause(mode)
+        if point == "after-pause":
+            hang()
+
 wire = dict(timeout_s=120.0, packed_buffer_size_bytes=64 << 10, packed_min_bucket_bytes=0)
 if backend == "nccl":
     from wt_nccl import NCCLTrainerInitInfo
     from weight_transfer.kits.group.stateless import free_port
-    info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, device="cpu", **wire)
+    world = 1 + int(workers)
+    info = NCCLTrainerInitInfo("127.0.0.1", free_port(), world, rank=0, device="cpu", **wire)
 else:
     from wt_ipc import IPCTrainerInitInfo
     info = IPCTrainerInitInfo(rank=0, device="cpu", replace_trainer=True, **wire)
-client = Hanging(HTTPVLLMWeightSyncClient(url, timeout=120.0))
+client = Hanging(PausingClient(url, timeout=120.0))
 if point == "fleet-held":
     from weight_transfer import FanOutClient
     client = FanOutClient([client])
 trainer = WeightTransferTrainerFactory.trainer_init(info, client=client, source=Source())
 trainer.send_weights(weight_version="from-the-killed-trainer")
 """
-# Where a killable trainer hangs until it is killed: between its start and its
-# update, in the middle of its update (the workers wait for the next bucket),
-# after its update, before it seals and finishes the round; and, behind a
-# fleet, after every replica committed and held its undo record, before the
-# fleet resumed them (a held round the fleet never confirmed).
-KILL_POINTS = ("after-start", "mid-update", "before-finish", "fleet-held")
+# Where a killable trainer hangs until it is killed: right after its pause took
+# effect, before its first update (the pause follows the start, so the workers know
+# of the round that took it); in the middle of its update (the workers wait for
+# the next bucket); after its update, before it seals and finishes the round;
+# and, behind a fleet, after every replica committed and held its undo record,
+# before the fleet resumed them (a held round the fleet never confirmed).
+KILL_POINTS = ("after-pause", "mid-update", "before-finish", "fleet-held")
 
 
 def start_killable_trainer(
-    url: str, backend: str, state_path: str, point: str = "mid-update", timeout_s: float = 120.0
+    url: str,
+    backend: str,
+    state_path: str,
+    point: str = "mid-update",
+    timeout_s: float = 120.0,
+    workers: int = 1,
 ) -> subprocess.Popen[bytes]:
-    """A trainer process that sends `state_path`'s tensors through `backend` and hangs
-    at `point` (one of `KILL_POINTS`); returns once it hangs (the caller kills it)."""
+    """A trainer process that sends `state_path`'s tensors through `backend` to an
+    engine of `workers` workers and hangs at `point` (one of `KILL_POINTS`); returns
+    once it hangs (the caller kills it)."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", KILLABLE_TRAINER, url, backend, state_path, point],
+        [sys.executable, "-c", KILLABLE_TRAINER, url, backend, state_path, point, str(workers)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -200,24 +208,29 @@ def kill_trainers_at_every_point(
     stream of completions runs: each time, the engine rolls back and resumes
     generation itself within `RESUME_WITHIN_S` (nobody calls resume), serves the
     previous weights under the previous label, no request fails, and a fresh
-    trainer then syncs."""
+    trainer then syncs. Outputs are compared with fresh engines' for a server of
+    one worker, and with the server's own before the kill for one of several (a
+    tensor-parallel engine sums in another order)."""
     import torch
 
+    workers = server.tensor_parallel_size
     http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
-    client = VersionedClient(http)
     source = SwitchSource(ModuleSource(hf_model(2)))
     state_path = tmp_path / "seed3.pt"
     torch.save({n: p.detach() for n, p in hf_model(3).named_parameters()}, state_path)
     try:
         for point in points:
-            trainer = connect(backend, client, source, str(tmp_path))
+            trainer = connect(backend, http, source, str(tmp_path), workers=workers)
             source.inner = ModuleSource(hf_model(2))
-            client.version = f"before-kill-{point}"
-            trainer.send_weights()
+            trainer.send_weights(weight_version=f"before-kill-{point}")
             trainer.shutdown()
+            served = server.generate()
+            assert workers > 1 or served == references.outputs(2), point
             # The trainer starts first (a new process starves on 2 cores busy generating),
             # then the stream: its requests wait in the paused engine for the kill.
-            dead = start_killable_trainer(server.url, backend, str(state_path), point)
+            dead = start_killable_trainer(
+                server.url, backend, str(state_path), point, workers=workers
+            )
             try:
                 if point != "mid-update":  # (a read waits while the engine receives)
                     assert http.is_paused(), f"{point}: the round did not pause generation"
@@ -239,14 +252,14 @@ def kill_trainers_at_every_point(
             assert resumed_after < RESUME_WITHIN_S, f"{point}: still paused {resumed_after:.1f}s"
             assert traffic.done >= 2, f"{point}: {traffic.done} completions in {flowing_after:.1f}s"
             assert traffic.failures == [], point
-            assert server.generate() == references.outputs(2), point
+            assert server.generate() == served, point
             assert server.weight_version() == f"before-kill-{point}"
 
-        trainer = connect(backend, client, source, str(tmp_path))
+        trainer = connect(backend, http, source, str(tmp_path), workers=workers)
         source.inner = ModuleSource(hf_model(3))
-        client.version = "after-the-kills"
-        trainer.send_weights()
-        assert server.generate() == references.outputs(3)
+        trainer.send_weights(weight_version="after-the-kills")
+        after = server.generate()
+        assert after == references.outputs(3) if workers == 1 else after != served
         assert server.weight_version() == "after-the-kills"
         trainer.shutdown()
     finally:
@@ -259,15 +272,30 @@ def test_http_a_trainer_killed_at_any_point_of_a_sync_never_leaves_the_server_pa
     kill_trainers_at_every_point(server, references, BACKEND, tmp_path)
 
 
+@pytest.mark.extended
+def test_http_a_trainer_killed_after_its_pause_never_leaves_a_tensor_parallel_server_paused(
+    tiny_dirs: Any, references: References, tmp_path: Any
+) -> None:
+    """The same on a server of two tensor-parallel workers (vLLM's CPU build, one core
+    each): both roll their rounds back, and generation resumes once both have."""
+    server = Server(
+        tiny_dirs[INITIAL_SEED], str(tmp_path / "tp2.log"), "nccl", tensor_parallel_size=2
+    )
+    try:
+        server.wait_ready()
+        kill_trainers_at_every_point(server, references, BACKEND, tmp_path, ("after-pause",))
+    finally:
+        server.stop()
+
+
 def test_http_twenty_syncs_under_a_steady_stream_of_completions(
     server: Server, references: References, tmp_path: Any
 ) -> None:
     """Generation is paused around each round (vLLM's pause, mode "keep"), so no
     request ever runs on a half-loaded model: none fails and the server stays up."""
     http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
-    client = VersionedClient(http)
     source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
-    trainer = connect(BACKEND, client, source, str(tmp_path))
+    trainer = connect(BACKEND, http, source, str(tmp_path))
     seeds = [2 + i % 2 for i in range(20)]
     try:
         with Traffic(server) as traffic:
@@ -275,8 +303,7 @@ def test_http_twenty_syncs_under_a_steady_stream_of_completions(
                 time.sleep(0.05)
             for round_, seed in enumerate(seeds, start=1):
                 source.inner = ModuleSource(hf_model(seed))
-                client.version = f"traffic-{round_}"
-                trainer.send_weights()
+                trainer.send_weights(weight_version=f"traffic-{round_}")
                 time.sleep(0.05)  # let a few requests run between rounds
         print(f"{traffic.done} streamed completions during {len(seeds)} syncs")
         assert traffic.failures == []
@@ -362,7 +389,7 @@ def test_http_a_caller_without_the_trainers_key_cannot_hold_revert_or_relabel_a_
     `wt_auth`; the engine never serves A's tokens under B's label (it did before: the
     hold was accepted inside the trainer's round and the revert restored A under B)."""
     http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
-    client = BeforeSeal(VersionedClient(http))
+    client = BeforeSeal(http)
     source = SwitchSource(ModuleSource(hf_model(2)))
     trainer = connect(BACKEND, client, source, str(tmp_path))
     caller = HTTPVLLMWeightSyncClient(server.url, timeout=60.0, pause=None)
@@ -380,15 +407,13 @@ def test_http_a_caller_without_the_trainers_key_cannot_hold_revert_or_relabel_a_
         assert not http.is_paused()
 
     try:
-        client.inner.version = "A"
-        trainer.send_weights()
+        trainer.send_weights(weight_version="A")
         assert "must be called before update_weights" in refused({"wt_hold": True})  # vLLM's
 
         source.inner = ModuleSource(hf_model(3))
-        client.inner.version = "B"
         client.hook = lambda: refusals.append(refused({"wt_hold": True}))
         with pytest.raises(WeightSyncRPCError):  # the refusal ended vLLM's round
-            trainer.send_weights()
+            trainer.send_weights(weight_version="B")
         assert "field 'wt_auth' is missing" in refusals[0]
         served(2, "A")
 
@@ -401,11 +426,68 @@ def test_http_a_caller_without_the_trainers_key_cannot_hold_revert_or_relabel_a_
             assert why in refused(payload), payload
             served(2, "A")
 
-        trainer.send_weights()  # the trainer's next round is B, whole
+        trainer.send_weights(weight_version="B")  # the trainer's next round is B, whole
         served(3, "B")
         caller.start_weight_update()
         assert "field 'wt_auth' is missing" in refused({"wt_revert": "a caller without the key"})
         served(3, "B")
+    finally:
+        trainer.shutdown()
+        http.close()
+        caller.close()
+
+
+class BeforeFinish:
+    """Forwards to `inner`; runs `hook()` once, after the next round's seal went out and
+    before its finish does (the window in which anyone could post a finish)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.hook: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        self.inner.finish_weight_update(weight_version)
+
+
+def test_http_a_finish_posted_between_the_trainers_seal_and_finish_keeps_the_trainers_label(
+    server: Server, references: References, tmp_path: Any
+) -> None:
+    """A caller posts `/finish_weight_update` after the trainer sealed its round and
+    before the trainer's finish: with another label, or none, it is refused and the
+    trainer's finish commits under the trainer's label; with the trainer's own label
+    it commits what the trainer sealed, and the trainer's finish then succeeds too.
+    (Before, the caller's finish committed the weights under its label and the
+    trainer's finish failed.)"""
+    http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    client = BeforeFinish(http)
+    source = SwitchSource(ModuleSource(hf_model(2)))
+    trainer = connect(BACKEND, client, source, str(tmp_path))
+    caller = httpx.Client(base_url=server.url, timeout=60.0)
+    answers: list[httpx.Response] = []
+
+    def finish_as(label: str | None) -> None:
+        body = {"weight_version": label} if label is not None else None
+        answers.append(caller.post("/finish_weight_update", json=body))
+
+    try:
+        trainer.send_weights(weight_version="A")
+        for seed, label, rogue in [(3, "B", "rogue"), (2, "C", None), (3, "D", "D")]:
+            source.inner = ModuleSource(hf_model(seed))
+            client.hook = lambda rogue=rogue: finish_as(rogue)
+            trainer.send_weights(weight_version=label)
+            assert server.generate() == references.outputs(seed), label
+            assert server.weight_version() == label
+            assert not http.is_paused()
+        refused = [r for r in answers if r.status_code != 200]
+        assert [r.status_code >= 400 for r in answers] == [True, True, False], answers
+        assert "sealed this round to finish as 'B'" in refused[0].text
+        assert "sealed this round to finish as 'C'" in refused[1].text
     finally:
         trainer.shutdown()
         http.close()
@@ -471,7 +553,7 @@ def test_http_random_control_sequences_keep_the_engine_servable(
     def sync() -> int:
         seed = rng.choice([2, 3])
         source.inner = ModuleSource(hf_model(seed))
-        trainer.send_weights()
+        trainer.send_weights(weight_version=f"random-{seed}")
         return seed
 
     def refused_update() -> None:

@@ -18,7 +18,6 @@ from tests.vllm.conftest import (
     AlteredSource,
     References,
     SwitchSource,
-    VersionedClient,
     connect,
     hf_model,
     require_backend,
@@ -49,15 +48,13 @@ def test_http_ipc_rounds_a_failure_and_syncs_under_traffic(
     server = ipc_server
     assert server.generate() == references.outputs(INITIAL_SEED)
     http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
-    client = VersionedClient(http)
     source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
-    trainer = connect(BACKEND, client, source, str(tmp_path))
+    trainer = connect(BACKEND, http, source, str(tmp_path))
     try:
         assert glob.glob(f"/dev/shm/wt-{os.getpid()}-*") == []  # unlinked once attached
         for round_, seed in enumerate((2, 3), start=1):
             source.inner = ModuleSource(hf_model(seed))
-            client.version = f"ipc-{round_}"
-            trainer.send_weights()
+            trainer.send_weights(weight_version=f"ipc-{round_}")
             assert server.generate() == references.outputs(seed), f"round {round_}"
             assert server.weight_version() == f"ipc-{round_}"
 
@@ -65,9 +62,8 @@ def test_http_ipc_rounds_a_failure_and_syncs_under_traffic(
         bogus = "model.layers.1.mlp.bogus_proj.weight"
         model = hf_model(2)
         source.inner = AlteredSource(model, {down: (bogus, dict(model.named_parameters())[down])})
-        client.version = "never"
         with pytest.raises(WeightSyncRPCError, match="bogus_proj"):
-            trainer.send_weights()
+            trainer.send_weights(weight_version="never")
         assert server.generate() == references.outputs(3)
         assert server.weight_version() == "ipc-2"
 
@@ -77,8 +73,7 @@ def test_http_ipc_rounds_a_failure_and_syncs_under_traffic(
                 time.sleep(0.05)
             for round_, seed in enumerate(seeds, start=1):
                 source.inner = ModuleSource(hf_model(seed))
-                client.version = f"ipc-traffic-{round_}"
-                trainer.send_weights()
+                trainer.send_weights(weight_version=f"ipc-traffic-{round_}")
                 time.sleep(0.05)
         assert traffic.failures == []
         assert traffic.done >= 8, traffic.done

@@ -208,7 +208,7 @@ def test_without_an_undo_copy_a_failed_round_keeps_generation_paused_until_one_l
         assert not core.is_scheduler_paused()
         assert generate(engine.llm) == references.outputs(target)
     finally:
-        engine.client.inner.resume_generation()  # whatever failed, the shared engine serves
+        engine.client.resume_generation()  # whatever failed, the shared engine serves
 
 
 class _Records(logging.Handler):

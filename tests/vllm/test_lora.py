@@ -2,12 +2,19 @@
 session's nccl HTTP server (the `LLM` in a Ray actor: `test_ray.py`).
 
 Every synced adapter is compared, tokens and logprobs, with the same engine
-running the same adapter loaded by vLLM from a PEFT checkpoint on disk.
+running the same adapter loaded by vLLM from a PEFT checkpoint on disk. What
+an adapter or an HTTP caller sends must never kill the engine or decide what a
+synced name serves: malformed adapters, squatted names, aliases of removed
+adapters, colliding ids.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
+import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,9 +38,12 @@ from tests.vllm.lora_parts import (
     train_step,
 )
 from weight_transfer import (
+    Adapter,
     HTTPVLLMWeightSyncClient,
     LocalVLLMWeightSyncClient,
     LoRASource,
+    ParamMeta,
+    WeightSource,
     WeightSyncRPCError,
     remove_adapter,
 )
@@ -131,9 +141,11 @@ def test_adapters_are_added_updated_and_removed_by_name_in_a_running_llm(
         assert beta not in (first, second)
         assert generate(llm, lora_request=lora_request("alpha")) == second
         assert llm.collective_rpc(_served_adapters) == [["alpha", "beta"]]
-        # removing one leaves the other
+        # removing one leaves the other; a request on the removed one fails alone
         remove_adapter(trainer, "beta")
         assert llm.collective_rpc(_served_adapters) == [["alpha"]]
+        with pytest.raises(ValueError, match="'beta', which this engine does not serve"):
+            generate(llm, lora_request=lora_request("beta"))
         assert generate(llm, lora_request=lora_request("alpha")) == second
         # the base model never moved
         assert generate(llm) == base_outputs
@@ -265,3 +277,241 @@ def test_adapter_syncs_over_http_under_streamed_traffic(servers: Any, tmp_path: 
     finally:
         trainer.shutdown()
         client.close()
+
+
+def _crc_colliding_names() -> tuple[str, str]:
+    """Two adapter names whose CRC-32 ids (`2**30 + crc32(name) % 2**30`) are equal."""
+    seen: dict[int, str] = {}
+    for i in itertools.count():
+        name = f"lora-{i}"
+        key = zlib.crc32(name.encode()) % (1 << 30)
+        if key in seen:
+            return seen[key], name
+        seen[key] = name
+    raise AssertionError("unreachable")
+
+
+def test_two_adapter_names_never_share_an_id_in_one_engine(lora_llm: Any, tmp_path: Any) -> None:
+    """Two names whose CRC-32 ids collide each serve their own adapter (vLLM caches
+    adapters by id: under one id they served each other's weights)."""
+    from weight_transfer.vllm.adapters import lora_request
+
+    llm = lora_llm
+    disk = Checkpoints(str(tmp_path))
+    first, second = _crc_colliding_names()
+    model = peft_model("one", "two", seed=6)
+    source = LoRASource(model, "one", name=first)
+    trainer = connect("nccl", LocalVLLMWeightSyncClient(llm), source, str(tmp_path))
+    try:
+        trainer.send_weights()
+        source.select("two", name=second)
+        trainer.send_weights()
+        assert lora_request(first).lora_int_id != lora_request(second).lora_int_id
+        one = generate(llm, lora_request=lora_request(first))
+        two = generate(llm, lora_request=lora_request(second))
+        assert one == generate(llm, lora_request=disk.disk_request(model, "one"))
+        assert two == generate(llm, lora_request=disk.disk_request(model, "two"))
+        assert one != two
+        for name in (first, second):
+            remove_adapter(trainer, name)
+    finally:
+        trainer.shutdown()
+
+
+class CraftedAdapter(WeightSource):
+    """An adapter round as any trainer could send it: any config, any tensors."""
+
+    def __init__(self, name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]):
+        self.adapter = Adapter(name, config)
+        self.tensors = tensors
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors.items())
+
+
+def _of_rank(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """`tensors` with every `lora_A` and `lora_B` replaced by random ones of `rank`."""
+    generator = torch.Generator().manual_seed(rank)
+    out = {}
+    for name, t in tensors.items():
+        shape = (rank, t.shape[1]) if ".lora_A." in name else (t.shape[0], rank)
+        out[name] = torch.randn(shape, generator=generator) * 0.1
+    return out
+
+
+def test_malformed_adapters_are_refused_naming_the_module_and_the_server_serves_on(
+    servers: Any, tmp_path: Any
+) -> None:
+    """On the session's nccl server, each adapter round below is refused before it
+    commits, naming the module and the field; the adapter synced before keeps serving,
+    the base model too, and the engine never dies: a config `r` of 8 with rank-32
+    tensors (within `--max-lora-rank 16` by its config: it killed the engine at the
+    first request), `r` of 8 with rank-16 tensors (it loaded with the wrong scaling),
+    rank-0 tensors (it served the base model), a module's `lora_B` without its
+    `lora_A` (that module was dropped) and the reverse, a name of the served base
+    model (requests on it got the base model). The next good round lands."""
+    from tests.vllm.servers import SERVED_NAME
+
+    server = servers("nccl")[0]
+    model = peft_model("shape", seed=3)
+    good_source = LoRASource(model, "shape")
+    good = dict(iter(good_source))
+    config = good_source.adapter.config
+    source = CraftedAdapter("lora-shape", config, good)
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    trainer = connect("nccl", client, source, str(tmp_path))
+    q_proj = "base_model.model.model.layers.0.self_attn.q_proj"
+    module = "'model.layers.0.self_attn.q_proj'"
+    try:
+        trainer.send_weights()
+        before, base = server.generate("lora-shape"), server.generate()
+        assert before != base
+        cases = [
+            ({**config, "r": 8}, _of_rank(good, 32), "lora_A of rank 32 .* rank 8"),
+            ({**config, "r": 8}, good, "lora_A of rank 16 and lora_B of rank 16, but field "
+             "'config.r' gives it rank 8"),
+            (config, _of_rank(good, 0), "lora_A of rank 0 and lora_B of rank 0"),
+            (config, {n: t for n, t in good.items() if n != f"{q_proj}.lora_A.weight"},
+             f"module {module} has no lora_A"),
+            (config, {n: t for n, t in good.items() if n != f"{q_proj}.lora_B.weight"},
+             f"module {module} has no lora_B"),
+        ]  # fmt: skip
+        for case_config, tensors, why in cases:
+            source.adapter, source.tensors = Adapter("lora-shape", case_config), tensors
+            with pytest.raises(WeightSyncRPCError, match=why):
+                trainer.send_weights()
+            assert server.generate("lora-shape") == before, why
+            assert server.generate() == base, why
+        source.adapter, source.tensors = Adapter(SERVED_NAME, config), good
+        with pytest.raises(ValueError, match=r"field 'name' .* served base model"):
+            trainer.send_weights()
+        assert server.generate(SERVED_NAME) == base
+        train_step(model, "shape", 3)
+        source.adapter, source.tensors = Adapter("lora-shape", config), dict(iter(good_source))
+        trainer.send_weights()
+        assert server.generate("lora-shape") not in (before, base)
+        remove_adapter(trainer, "lora-shape")
+    finally:
+        trainer.shutdown()
+        client.close()
+
+
+def _models(server: Any) -> dict[str, str]:
+    """The server's model names and the path each points at (`/v1/models`)."""
+    response = server.http.get("/v1/models")
+    response.raise_for_status()
+    return {card["id"]: card["root"] for card in response.json()["data"]}
+
+
+def _register(server: Any, name: str, path: str, *, inplace: bool = False) -> Any:
+    body: dict[str, Any] = {"lora_name": name, "lora_path": path}
+    if inplace:
+        body["load_inplace"] = True
+    return server.http.post("/v1/load_lora_adapter", json=body)
+
+
+def test_no_http_caller_decides_what_a_synced_adapter_name_serves(
+    servers: Any, tmp_path: Any
+) -> None:
+    """A caller registers the trainer's adapter name first, with its own adapter: the
+    trainer's sync makes the name serve the trainer's adapter (and point at it);
+    re-registered in place after the sync, the name still serves the trainer's
+    adapter, and the next sync points it back. A caller's alias of the synced
+    adapter serves it, and is unregistered with it; a removed adapter cannot be
+    registered again. (Before, the caller's adapter served under the name.)"""
+    server = servers("nccl")[0]
+    disk = Checkpoints(str(tmp_path))
+    ours, theirs = peft_model("mine", seed=4), peft_model("theirs", seed=5)
+    theirs_dir, _, _ = disk.save(theirs, "theirs")
+
+    def from_disk(model: Any, adapter: str) -> Any:
+        directory, name, _ = disk.save(model, adapter)
+        assert _register(server, name, directory).status_code == 200
+        return server.generate(name)
+
+    their_outputs, base = from_disk(theirs, "theirs"), server.generate()
+    client = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    source = LoRASource(ours, "mine", name="squatted")
+    trainer = connect("nccl", client, source, str(tmp_path))
+    try:
+        assert _register(server, "squatted", theirs_dir).status_code == 200
+        assert server.generate("squatted") == their_outputs
+        trainer.send_weights()
+        mine = from_disk(ours, "mine")
+        assert server.generate("squatted") == mine != their_outputs
+        assert _models(server)["squatted"] == "wt-adapter:squatted"
+
+        assert _register(server, "squatted", theirs_dir, inplace=True).status_code == 200
+        assert server.generate("squatted") == mine
+        train_step(ours, "mine", 1)
+        trainer.send_weights()
+        assert _models(server)["squatted"] == "wt-adapter:squatted"
+        mine = from_disk(ours, "mine")
+        assert server.generate("squatted") == mine
+
+        assert _register(server, "an-alias", "wt-adapter:squatted").status_code == 200
+        assert server.generate("an-alias") == mine
+        remove_adapter(trainer, "squatted")
+        assert {"squatted", "an-alias"}.isdisjoint(_models(server))
+        again = _register(server, "an-alias", "wt-adapter:squatted")
+        assert again.status_code >= 400 and "No adapter found for wt-adapter:squatted" in again.text
+        assert server.generate() == base
+    finally:
+        trainer.shutdown()
+        client.close()
+
+
+class KeepsAliases:
+    """An HTTP client whose removal unregisters the adapter's own name only, as when a
+    caller registers an alias after the client listed the server's names."""
+
+    def __init__(self, inner: HTTPVLLMWeightSyncClient) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def adapter_landed(self, adapter: Adapter) -> None:
+        if adapter.remove:
+            self.inner._unload_adapter(adapter.name)
+        else:
+            self.inner.adapter_landed(adapter)
+
+
+def test_requests_on_an_alias_of_a_removed_adapter_fail_alone(servers: Any, tmp_path: Any) -> None:
+    """An alias a caller registered for a synced adapter outlives the adapter's removal:
+    a request on it queued behind a pause when the adapter goes, and one sent after,
+    each fail alone (HTTP 500, vLLM's request-level error); the engine serves on. (Before,
+    the first such request killed the engine core.)"""
+    server = servers("nccl")[0]
+    http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    source = LoRASource(peft_model("gone", seed=7), "gone", name="lora-gone")
+    trainer = connect("nccl", KeepsAliases(http), source, str(tmp_path))
+    body = {"model": "gone-alias", "prompt": "w1 w2", "max_tokens": 4, "temperature": 0.0}
+    queued: list[Any] = []
+    try:
+        trainer.send_weights()
+        base = server.generate()
+        assert _register(server, "gone-alias", "wt-adapter:lora-gone").status_code == 200
+        assert server.http.post("/v1/completions", json=body).status_code == 200
+        http.pause_generation("keep")
+        request = threading.Thread(
+            target=lambda: queued.append(server.http.post("/v1/completions", json=body))
+        )
+        request.start()
+        time.sleep(1.0)  # the request waits in the paused engine
+        remove_adapter(trainer, "lora-gone")
+        request.join(60)
+        assert not request.is_alive()
+        assert queued[0].status_code == 500, queued[0].text
+        after = server.http.post("/v1/completions", json=body)
+        assert after.status_code == 500, after.text
+        assert server.generate() == base
+        assert server.proc.poll() is None, "the server exited"
+    finally:
+        http.resume_generation()
+        trainer.shutdown()
+        http.close()

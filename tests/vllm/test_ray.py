@@ -27,7 +27,6 @@ from tests.vllm.conftest import (
     References,
     SwitchSource,
     TinyDirs,
-    VersionedClient,
     connect,
     hf_model,
     outputs_of,
@@ -95,14 +94,13 @@ def test_ray_actor_sync_over_ipc(
     )
     try:
         ray_cluster.get(actor.get_weight_version.remote(), timeout=180)
-        client = VersionedClient(RayVLLMWeightSyncClient(actor, timeout=120.0))
+        client = RayVLLMWeightSyncClient(actor, timeout=120.0)
         source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
         trainer = connect("ipc", client, source, str(tmp_path))
         try:
             for round_, seed in enumerate((3, 2), start=1):
                 source.inner = ModuleSource(hf_model(seed))
-                client.version = f"ray-ipc-{round_}"
-                trainer.send_weights()
+                trainer.send_weights(weight_version=f"ray-ipc-{round_}")
                 assert generate(actor) == references.outputs(seed), f"round {round_}"
                 assert ray.get(actor.get_weight_version.remote(), timeout=60) == f"ray-ipc-{round_}"
             down = "model.layers.1.mlp.down_proj.weight"
@@ -114,7 +112,7 @@ def test_ray_actor_sync_over_ipc(
             assert generate(actor) == references.outputs(2)
             # vLLM's release of the trainer connection: inference goes on, and the
             # trainer's next round re-admits the worker
-            client.inner.shutdown_weight_transfer_engine()
+            client.shutdown_weight_transfer_engine()
             assert generate(actor) == references.outputs(2)
             source.inner = ModuleSource(hf_model(3))
             trainer.send_weights()
@@ -251,14 +249,13 @@ def test_ray_async_llm_actor_sync(
             )
 
         assert complete() == references.outputs(INITIAL_SEED)
-        client = VersionedClient(RayVLLMWeightSyncClient(actor, timeout=120.0))
+        client = RayVLLMWeightSyncClient(actor, timeout=120.0)
         source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
         trainer = connect(BACKEND, client, source, str(tmp_path))
         try:
             for round_, seed in enumerate((3, 2), start=1):
                 source.inner = ModuleSource(hf_model(seed))
-                client.version = f"async-{round_}"
-                trainer.send_weights()
+                trainer.send_weights(weight_version=f"async-{round_}")
                 assert complete() == references.outputs(seed), f"round {round_}"
                 assert ray.get(actor.get_weight_version.remote(), timeout=60) == f"async-{round_}"
                 assert ray.get(actor.is_paused.remote(), timeout=60) is False

@@ -35,7 +35,6 @@ from tests.vllm.conftest import (
     References,
     SwitchSource,
     TinyDirs,
-    VersionedClient,
     hf_model,
     outputs_of,
     require_backend,
@@ -117,12 +116,12 @@ class FailingSource(ModuleSource):
             yield name, tensor
 
 
-def clients_of(replicas: list[Any]) -> list[VersionedClient]:
-    return [VersionedClient(RayVLLMWeightSyncClient(a, timeout=120.0)) for a in replicas]
+def clients_of(replicas: list[Any]) -> list[RayVLLMWeightSyncClient]:
+    return [RayVLLMWeightSyncClient(a, timeout=120.0) for a in replicas]
 
 
 def nixl_trainer(
-    clients: list[VersionedClient], source: WeightSource, prefix: str, **kw: Any
+    clients: list[RayVLLMWeightSyncClient], source: WeightSource, prefix: str, **kw: Any
 ) -> Any:
     """A sharded_rdt trainer over NIXL feeding every replica's client (fanned out)."""
     from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo
@@ -152,9 +151,7 @@ def test_two_replicas_pull_over_nixl(replicas: list[Any], references: References
         total = sum(m.nbytes for m in metas)
         for round_, seed in enumerate((2, 3), start=1):
             source.inner = ModuleSource(hf_model(seed))
-            for client in clients:
-                client.version = f"rdt-{round_}"
-            trainer.send_weights()
+            trainer.send_weights(weight_version=f"rdt-{round_}")
             for r, actor in enumerate(replicas):
                 assert generate(actor) == references.outputs(seed), f"replica {r}, round {round_}"
                 assert ray.get(actor.get_weight_version.remote(), timeout=60) == f"rdt-{round_}"

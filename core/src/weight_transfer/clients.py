@@ -4,16 +4,20 @@ Each implements `VLLMWeightSyncClient`: it reaches every inference worker,
 blocks until all are done, and raises `WeightSyncRPCError` (carrying the
 server's message) when any of them fails.
 
-Serving while syncing. Between `start_weight_update` and the end of the round
-the model is half-loaded (inside vLLM its layers live on the meta device), so
-a request that ran then would crash the engine. Every client therefore pauses
-generation before the round, through vLLM's own pause, and resumes it once the
-workers have closed the round: after `finish_weight_update` (whether it
-succeeded or rolled back), after a failed `update_weights` (the workers rolled
-back), after a failed `start_weight_update` unless it failed because a round
-is still open (that one may hold a half-loaded model: generation stays paused
-until it is aborted, which `RoundClient` does before starting its own).
-`pause` is the policy for requests in flight, vLLM's `PauseMode`:
+Serving while syncing. From a round's first `update_weights` to its end the
+model is half-loaded (inside vLLM its layers live on the meta device), so a
+request that ran then would crash the engine. Every client therefore pauses
+generation right after `start_weight_update` (which loads nothing), through
+vLLM's own pause, and resumes it once the workers have closed the round:
+after `finish_weight_update` (whether it succeeded or rolled back), after a
+failed `update_weights` (the workers rolled back). The pause comes after the
+start so that the workers know of the round that took it: a trainer that
+dies between the two leaves an open round, which the workers roll back, and
+resume generation, once they see the trainer gone. A start that fails pauses
+nothing; one refused because a round is still open leaves generation as that
+round left it (it may hold a half-loaded model: `RoundClient` aborts it before
+starting its own). `pause` is the policy for requests in flight, vLLM's
+`PauseMode`:
 
 - `"keep"` (the default): in-flight requests are frozen and continue on the
   new weights after the resume; nothing fails, nothing is recomputed twice;
@@ -46,7 +50,7 @@ from weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
-from weight_transfer.runtime.adapters import ADAPTER_SCHEME, Adapter
+from weight_transfer.runtime.adapters import ADAPTER_FIELD, ADAPTER_SCHEME, Adapter
 from weight_transfer.runtime.control import (
     ABORT_FIELD,
     REVERT_FIELD,
@@ -140,14 +144,11 @@ class _PausingClient:
             logger.exception("resuming generation after a failed round (%s) failed", error)
 
     def _round_start(self, method: str) -> None:
+        """Start the round, then pause (see the module doc). A failed pause leaves the
+        round open on the workers: the caller aborts it (`RoundClient` does)."""
+        self._call(method)
         if self.pause is not None:
             self._pause(self.pause)
-        try:
-            self._call(method)
-        except BaseException as error:
-            if not refused(error, Refusal.ROUND_OPEN):  # an open round may be half-loaded
-                self._resume_after(error)
-            raise
 
     def start_weight_update(self) -> None:
         self._round_start("start_weight_update")
@@ -201,8 +202,6 @@ class _PausingClient:
         passes the trainer's key; see `weight_transfer.runtime.control`).
         """
         changes = REVERT_FIELD in payload
-        if changes and self.pause is not None and not paused:
-            self._pause(self.pause)
 
         def finish() -> None:
             self._call_finish(None)
@@ -211,6 +210,8 @@ class _PausingClient:
 
         def start() -> None:
             self._call("start_weight_update")
+            if changes and self.pause is not None and not paused:
+                self._pause(self.pause)
 
         try:
             control_round(start, self._call_update, finish, payload, sign, accept)
@@ -398,23 +399,51 @@ class HTTPVLLMWeightSyncClient(_PausingClient):
     def shutdown_weight_transfer_engine(self) -> None:
         self._request("POST", "/shutdown_weight_transfer_engine")
 
+    def check_adapter(self, adapter: Adapter) -> None:
+        """Refuse, before its round, an adapter named like a model the server serves
+        itself (`/v1/models`: a card without a parent): requests on the name would
+        get that model."""
+        for card in self._request("GET", "/v1/models")["data"]:
+            if card["id"] == adapter.name and card.get("parent") is None:
+                raise ValueError(
+                    f"{ADAPTER_FIELD}: field 'name' ({adapter.name!r}) is a name of the "
+                    f"served base model on {self.base_url}: requests on it would get the base model"
+                )
+
     def adapter_landed(self, adapter: Adapter) -> None:
-        """Register a synced LoRA adapter's name with the server when the server does
-        not list it (`/v1/models`: a first sync, a restarted server), through
-        `/v1/load_lora_adapter` with the path `wt-adapter:<name>` (the workers serve
-        it from memory), so the OpenAI `model` field names it; unregister a removed
-        one. The server needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` for these routes."""
+        """Make the server's name for a synced LoRA adapter point at it: register the
+        name through `/v1/load_lora_adapter` with the path `wt-adapter:<name>` (the
+        workers serve it from memory), so the OpenAI `model` field names it, unless
+        `/v1/models` lists it with that path already; a name listed with another
+        path (a caller registered it first, or re-registered it) is pointed back
+        (`load_inplace`). For a removal, unregister the name and every other name
+        listed with its path. The server needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`
+        for these routes."""
+        path = ADAPTER_SCHEME + adapter.name
+        cards = self._request("GET", "/v1/models")["data"]
+        roots = {card["id"]: card.get("root") for card in cards}
         if adapter.remove:
-            try:
-                self._request("POST", "/v1/unload_lora_adapter", {"lora_name": adapter.name})
-            except WeightSyncRPCError as error:
-                if error.status != 404:  # 404: the server did not know the name
-                    raise
+            for name, root in roots.items():
+                if name == adapter.name or root == path:
+                    self._unload_adapter(name)
             return
-        listed = {model["id"] for model in self._request("GET", "/v1/models")["data"]}
-        if adapter.name not in listed:
-            body = {"lora_name": adapter.name, "lora_path": ADAPTER_SCHEME + adapter.name}
-            self._request("POST", "/v1/load_lora_adapter", body)
+        if adapter.name in roots and roots[adapter.name] == path:
+            return
+        body: dict[str, Any] = {"lora_name": adapter.name, "lora_path": path}
+        if adapter.name in roots:
+            logger.warning(
+                "adapter name %r pointed at %r on %s; pointing it back at the synced adapter",
+                adapter.name, roots[adapter.name], self.base_url,
+            )  # fmt: skip
+            body["load_inplace"] = True
+        self._request("POST", "/v1/load_lora_adapter", body)
+
+    def _unload_adapter(self, name: str) -> None:
+        try:
+            self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        except WeightSyncRPCError as error:
+            if error.status != 404:  # 404: the server did not know the name (any more)
+                raise
 
     def is_paused(self) -> bool:
         return bool(self._request("GET", "/is_paused")["is_paused"])

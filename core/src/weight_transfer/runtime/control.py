@@ -21,7 +21,10 @@ every message a trainer sends inside a round carries proof:
 - A finish commits only a round the trainer sealed (`SEAL_FIELD`, or a
   revert / release control, which load nothing more): a `finish_weight_update`
   posted by anyone else before the trainer's seal is refused, and the round
-  stays open for the trainer.
+  stays open for the trainer. The seal carries the label the trainer's finish
+  will apply (`VERSION_FIELD`: a string, or null for none); where the host
+  hands the engine a finish's label (vLLM, through `weight_transfer.vllm.patches`),
+  a finish with another label is refused too.
 
 `ControlKey` is the trainer's side (sign), `ControlCheck` the engine's
 (verify). An engine initialized without a key (a trainer written against the
@@ -31,7 +34,8 @@ message is refused naming what is wrong, and nothing of it is acted on.
 
 The in-band controls are values of reserved fields in an update payload:
 `ABORT_FIELD` / `REVERT_FIELD` / `RELEASE_FIELD` carry a reason (a string),
-`HOLD_FIELD` and `SEAL_FIELD` the value `true`; anything else is refused
+`HOLD_FIELD` and `SEAL_FIELD` the value `true`, `VERSION_FIELD` (beside
+`SEAL_FIELD` only) a label or null; anything else is refused
 (`check_control_values`).
 
 Refusals are answers too: only an error's message crosses HTTP, Ray and
@@ -64,6 +68,7 @@ __all__ = [
     "REVERT_FIELD",
     "RELEASE_FIELD",
     "SEAL_FIELD",
+    "VERSION_FIELD",
     "ControlKey",
     "ControlCheck",
     "ControlRefused",
@@ -94,6 +99,8 @@ HOLD_FIELD = "wt_hold"
 REVERT_FIELD = "wt_revert"
 RELEASE_FIELD = "wt_release"
 SEAL_FIELD = "wt_seal"  # {SEAL_FIELD: True}: the trainer has sent everything of this round
+VERSION_FIELD = "wt_version"  # beside SEAL_FIELD: the label the trainer's finish applies
+MAX_VERSION_CHARS = 256
 _DOMAIN = b"wt-control-v1"
 _KEY_BYTES = 32
 # Reserved fields and the type each value must have (the reasons are strings).
@@ -261,6 +268,17 @@ def check_control_values(payload: dict[str, Any]) -> None:
     for name in _TRUE_FIELDS:
         if name in payload and payload[name] is not True:
             raise ValueError(f"update_info: field {name!r} must be true, got {payload[name]!r}")
+    if VERSION_FIELD in payload:
+        version = payload[VERSION_FIELD]
+        if SEAL_FIELD not in payload:
+            raise ValueError(f"update_info: field {VERSION_FIELD!r} comes only with {SEAL_FIELD!r}")
+        if version is not None and (
+            not isinstance(version, str) or len(version) > MAX_VERSION_CHARS
+        ):
+            raise ValueError(
+                f"update_info: field {VERSION_FIELD!r} must be a label of at most "
+                f"{MAX_VERSION_CHARS} characters or null, got {type(version).__name__}"
+            )
 
 
 # -- refusals ------------------------------------------------------------------

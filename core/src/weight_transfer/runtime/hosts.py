@@ -27,6 +27,10 @@ class Generation(Protocol):
 
     def resume(self) -> None: ...
 
+    def resume_when_all(self, round_id: int, rank: int, world_size: int) -> None:
+        """Resume once each of the engine's `world_size` workers (this one is `rank`)
+        asked for it for round `round_id` (at once for an engine of one worker)."""
+
     def label(self) -> str | None: ...
 
     def set_label(self, label: str) -> None: ...

@@ -23,9 +23,12 @@ from typing import Any, Protocol
 from weight_transfer.runtime.adapters import ADAPTER_FIELD, Adapter, adapter_of
 from weight_transfer.runtime.control import (
     SEAL_FIELD,
+    VERSION_FIELD,
     ControlKey,
+    Refusal,
     abort_round,
     finish_round,
+    refused,
     start_round,
     with_control_key,
 )
@@ -65,10 +68,12 @@ class RoundClient:
     (`abort_round`) before starting its own. When `adapter_source` (the
     trainer's source, which the trainer engine sets) has an `adapter`, the
     round updates that adapter (read at each start, so a source may switch
-    adapters between rounds): the target goes out right after the start, and
-    after a successful finish the caller's client is told
-    (`adapter_landed(adapter)`, if it has one: the HTTP client registers the
-    name with its server). Other attributes are the caller's client's.
+    adapters between rounds): the caller's client checks it first
+    (`check_adapter(adapter)`, if it has one: the HTTP client refuses a name
+    its server serves a base model under), the target goes out right after the
+    start, and after a successful finish the caller's client is told
+    (`adapter_landed(adapter)`, if it has one: the HTTP client points the
+    name at the adapter on its server). Other attributes are the caller's client's.
     """
 
     def __init__(
@@ -100,10 +105,21 @@ class RoundClient:
 
     def start_weight_update(self) -> None:
         """Start a round; one left open on the workers (a trainer that died
-        mid-round, an update refused before it reached them) is aborted first."""
+        mid-round, an update refused before it reached them) is aborted first.
+        A start that fails after the workers opened the round (the caller's
+        client failed to pause) aborts it (`abandon`), unless the workers have
+        no connection: the trainer re-admits them and aborts it then."""
         self._let_leftover_end()
-        start_round(self.inner.start_weight_update, self.abort_round)
         adapter = self.adapter
+        check = getattr(self.inner, "check_adapter", None)
+        if adapter is not None and callable(check):
+            check(adapter)  # before anything opens
+        try:
+            start_round(self.inner.start_weight_update, self.abort_round)
+        except Exception as error:
+            if not refused(error, Refusal.NO_CONNECTION):
+                self.abandon(f"the round's start failed: {type(error).__name__}: {error}")
+            raise
         if adapter is not None:
             self._target(adapter)
 
@@ -172,13 +188,17 @@ class RoundClient:
             ending(error)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """Seal the round (`SEAL_FIELD`: nothing more comes), then finish it."""
+        """Seal the round (`SEAL_FIELD`: nothing more comes; `VERSION_FIELD`: the
+        label this finish applies), then finish it."""
         self.wait_update()
-        self.inner.update_weights(self.control.sign({SEAL_FIELD: True}))
+        self.inner.update_weights(self._seal(weight_version))
         finish_round(self.inner.finish_weight_update, weight_version)
         adapter = self.adapter
         if adapter is not None:
             self._landed(adapter)
+
+    def _seal(self, weight_version: str | None) -> dict[str, Any]:
+        return self.control.sign({SEAL_FIELD: True, VERSION_FIELD: weight_version})
 
     def _landed(self, adapter: Adapter) -> None:
         landed = getattr(self.inner, "adapter_landed", None)
@@ -200,7 +220,7 @@ class RoundClient:
             self._let_leftover_end()
             start_round(self.inner.start_weight_update, self.abort_round)
             self._target(adapter)  # a refusal has closed the round on the workers
-            self.inner.update_weights(self.control.sign({SEAL_FIELD: True}))
+            self.inner.update_weights(self._seal(None))
             finish_round(self.inner.finish_weight_update, None)
         finally:
             if pause is not None and drain is not None:

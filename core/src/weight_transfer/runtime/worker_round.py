@@ -16,22 +16,26 @@ each subclass's `init_transfer_engine`, `start_weight_update`,
   `wt_revert`, `wt_release`, `wt_seal`, `wt_adapter`: the round's
   transaction becomes the host's adapter loader, before anything loaded),
   else loads through `receive_weights`; any failure aborts the transaction;
-- finish is refused until the trainer sealed the round, then commits (keeping
-  the undo record after a hold);
+- finish is refused until the trainer sealed the round, and, where the host
+  hands the engine a finish's label (`finishing_as`), under any label but the
+  one the trainer sealed; then it commits (keeping the undo record after a
+  hold);
 - a watchdog thread rolls back a round without progress for
   `round_timeout_s` or whose trainer is gone, and reverts a held commit whose
-  trainer left before its fleet decided; generation that the round paused is
+  trainer left before its fleet decided; generation that was paused when the
+  round began or while it was open (a client pauses right after its start) is
   resumed through the host (`weight_transfer.runtime.hosts`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -48,6 +52,7 @@ from weight_transfer.runtime.control import (
     RELEASE_FIELD,
     REVERT_FIELD,
     SEAL_FIELD,
+    VERSION_FIELD,
     ControlCheck,
     ControlRefused,
     Refusal,
@@ -183,11 +188,15 @@ class WorkerRound:
         self._control: ControlCheck | None = None  # the served trainer's key (`control`)
         self.connected = False  # an init succeeded since the last shutdown
         self._generation: Generation | None = None  # the host's, found on a control call
-        self._round_paused = False  # generation was paused when this round began
+        self._rounds = 0  # rounds opened: the same count on every worker of an engine
+        self._round_paused = False  # generation was paused in this round (at start or since)
         self._round_label: str | None = None  # ... under this weight version label
         self._held_paused = False  # ... and has stayed paused since the held commit
         self._held_label: str | None = None  # the label before the held round
         self._sealed = False  # the trainer said this round is complete (`SEAL_FIELD`)
+        self._sealed_as: tuple[str | None] | None = None  # ... and the label it finishes with
+        self._finish_label: tuple[str | None] | None = None  # the finish's, from the host
+        self._committed_as: tuple[str | None] | None = None  # the last sealed round committed
         self._round_loaded = False  # this round's transaction may have changed the model
         self.incomplete: str | None = None  # why the model holds a failed round's part
 
@@ -214,6 +223,7 @@ class WorkerRound:
 
     def _open_round(self, subclass_start: Callable[[], None]) -> None:
         with self._round_lock:
+            self._rounds += 1
             self._expired = None
             self._progress = time.monotonic()
             if not self._watching:
@@ -244,6 +254,7 @@ class WorkerRound:
             self.transaction = transaction
             self._hold = False
             self._sealed = False
+            self._sealed_as = self._committed_as = None
             self._round_loaded = False
             try:
                 subclass_start()
@@ -257,11 +268,8 @@ class WorkerRound:
                 expired, self._expired = self._expired, None
                 raise RoundAbortedError(expired)
             transaction = self.transaction
-            if transaction is not None and self._control is not None and not self._sealed:
-                raise ControlRefused(
-                    "finish_weight_update before the trainer sealed the round: only the "
-                    "trainer this engine serves may finish it (the round stays open for it)"
-                )
+            if transaction is not None and self._control is not None:
+                self._check_finisher()
             try:
                 self.drain_pending()
                 subclass_finish()
@@ -284,15 +292,49 @@ class WorkerRound:
             if self._round_loaded:
                 self.incomplete = None  # a round that loaded has landed
             self._round_loaded = False
+            if self._control is not None and self._sealed_as is not None:
+                self._committed_as = self._sealed_as
+
+    def _check_finisher(self) -> None:
+        """Only the trainer this engine serves finishes its round: refuse a finish
+        before its seal, or with a label other than the one it sealed (the round
+        stays open for the trainer's own finish)."""
+        if not self._sealed:
+            raise ControlRefused(
+                "finish_weight_update before the trainer sealed the round: only the "
+                "trainer this engine serves may finish it (the round stays open for it)"
+            )
+        claimed, sealed = self._finish_label, self._sealed_as
+        if claimed is not None and sealed is not None and claimed != sealed:
+            raise ControlRefused(
+                f"finish_weight_update with weight_version {claimed[0]!r}, but the trainer "
+                f"sealed this round to finish as {sealed[0]!r}: only its own finish may "
+                "commit it (the round stays open for it)"
+            )
+
+    @contextlib.contextmanager
+    def finishing_as(self, weight_version: str | None) -> Iterator[bool]:
+        """The host's finish of this round will set label `weight_version` (vLLM's
+        `finish_weight_update(weight_version)`, through `weight_transfer.vllm.patches`):
+        the finish inside the block is checked against the trainer's seal. Yields
+        whether the last round this engine committed is the trainer's, sealed
+        with this very label, and no round opened or such finish came since: then
+        another caller's finish committed what the trainer's finish would have."""
+        with self._round_lock:
+            self._finish_label = (weight_version,)
+            committed = self.transaction is None and self._committed_as == (weight_version,)
+            if committed:
+                self._committed_as = None  # once: a later finish is answered as the host's
+            try:
+                yield committed
+            finally:
+                self._finish_label = None
 
     def _find_generation(self) -> Generation | None:
         """The host's generation running this worker (`hosts.Host.generation`, asked on a
-        control call). Only an engine of one worker acts on it: with several, one
-        worker's resume would run requests while another still rolls back (they stay
-        paused instead)."""
-        single = self.position.world_size == 1
+        control call)."""
         host = host_of(self.vllm_config)
-        if self._generation is None and single and host is not None:
+        if self._generation is None and host is not None:
             self._generation = host.generation()
         return self._generation
 
@@ -309,10 +351,14 @@ class WorkerRound:
             self._resume(why)
 
     def _resume(self, why: str) -> None:
+        """Resume generation; in an engine of several workers, once every one of them
+        asked for it in this round (`Generation.resume_when_all`): one worker's resume
+        would otherwise run requests while another still rolls back."""
         generation = self._generation
         if generation is not None and generation.paused() is not False:
             logger.warning("%s: resuming generation (%s)", type(self).__name__, why)
-            generation.resume()
+            position = self.position
+            generation.resume_when_all(self._rounds, position.rank, position.world_size)
 
     def _watch(self) -> None:
         """The watchdog's tick: end a round, or a held commit, that lost its trainer."""
@@ -341,6 +387,7 @@ class WorkerRound:
             else:
                 reason = "the trainer left during the round (it died, or closed its end)"
             logger.warning("%s: %s", type(self).__name__, reason)
+            self._note_pause()
             try:
                 self._abort_round(RoundAbortedError(reason))
             finally:
@@ -504,6 +551,8 @@ class WorkerRound:
             if self.transaction is None:
                 raise RuntimeError(_NO_ROUND)
             self._sealed = True
+            if VERSION_FIELD in update_info:
+                self._sealed_as = (update_info[VERSION_FIELD],)
             return
         if self.transaction is None:
             raise RuntimeError(_NO_ROUND)
@@ -529,11 +578,23 @@ class WorkerRound:
             self._raise_if_incomplete(error)
             raise
 
-    def _check_still_paused(self) -> None:
-        """Refuse to load while requests run: generation was paused when the round began
-        and has been resumed since (by a caller of the server's own routes, say)."""
+    def _note_pause(self) -> bool | None:
+        """Generation's pause state now (None: unknown); a pause that began while this
+        round was open belongs to it (wt's clients pause right after their start),
+        so the round resumes it if it fails without its trainer."""
         generation = self._generation
-        if self._round_paused and generation is not None and generation.paused() is False:
+        paused = generation.paused() if generation is not None else None
+        if paused is True and not self._round_paused:
+            assert generation is not None
+            self._round_paused = True
+            self._round_label = generation.label()
+        return paused
+
+    def _check_still_paused(self) -> None:
+        """Refuse to load while requests run: generation was paused in this round and
+        has been resumed since (by a caller of the server's own routes, say)."""
+        was_paused = self._round_paused
+        if self._note_pause() is False and was_paused:
             self._round_paused = False
             raise RuntimeError(
                 "generation was resumed while this round was open: loading now would run "

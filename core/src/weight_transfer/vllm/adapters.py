@@ -5,26 +5,28 @@ request names its `lora_int_id`, and again whenever its LRU cache evicted it.
 wt keeps the adapters it synced in memory instead:
 
 - `lora_request(name)` is the request of a wt adapter: its path is
-  `wt-adapter:<name>` (`ADAPTER_SCHEME`). On the HTTP server the HTTP client
-  registers that path under the adapter's name (`/v1/load_lora_adapter`,
-  whenever `/v1/models` lacks it), so the OpenAI `model` field names it.
+  `wt-adapter:<name>` (`ADAPTER_SCHEME`), its id one of this process's own
+  for that name (`adapter_int_id`). On the HTTP server the HTTP client
+  registers that path under the adapter's name (`/v1/load_lora_adapter`),
+  so the OpenAI `model` field names it.
 - Each worker has one `AdapterStore` (per vLLM LoRA manager), made by the first
   adapter round: the committed adapters by name. It wraps the worker LoRA
-  manager's `_load_adapter`, so a request whose path has the scheme is served
-  from the store, under the id the request carries; any other path loads from
-  disk as before.
+  manager's `_load_adapter`, so a request under a synced name, or whose path
+  has the scheme, is served from the store under the id the request carries;
+  any other request loads from disk as before. It tells its engine core which
+  adapters it serves (`weight_transfer.vllm.gate`), which fails a request on
+  any other wt adapter alone instead of letting it fail inside a step.
 - `AdapterLoader` is the round's transaction for an adapter round
-  (`weight_transfer.runtime.adapters`). `load` stages copies of the tensors
-  (a transport may reuse its buffers); `commit` builds vLLM's `LoRAModel` and
-  checks it against the engine (the rank against `max_lora_rank`, every module
-  a LoRA target of this model, every shape against the module's LoRA slots)
-  before it changes anything, then swaps it into the store and replaces
-  vLLM's cached copies of the previous version, so the next step that runs
-  the adapter activates the new one. vLLM runs a control call between steps,
-  so a step sees one version of the adapter, whole. `abort` drops what was
-  staged: the previous adapter and the model's weights are untouched.
-  `commit(keep_undo=True)`, `revert` and `release` make it a `Revertible`
-  for fleets.
+  (`weight_transfer.runtime.adapters`). `begin` refuses a name of the served
+  base model. `load` stages copies of the tensors (a transport may reuse its
+  buffers); `commit` builds vLLM's `LoRAModel` and checks it against its
+  config and the engine (`AdapterStore.check`) before it changes anything,
+  then swaps it into the store and replaces vLLM's cached copies of the
+  previous version, so the next step that runs the adapter activates the new
+  one. vLLM runs a control call between steps, so a step sees one version of
+  the adapter, whole. `abort` drops what was staged: the previous adapter and
+  the model's weights are untouched. `commit(keep_undo=True)`, `revert` and
+  `release` make it a `Revertible` for fleets.
 
 Version-pinned to vLLM 0.32's LoRA manager, which 0.33.0 keeps
 (`WorkerLoRAManager._load_adapter`, `LoRAModelManager.modules`,
@@ -37,20 +39,30 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from weight_transfer.runtime.adapters import ADAPTER_SCHEME, Adapter
+from weight_transfer.runtime.adapters import ADAPTER_FIELD, ADAPTER_SCHEME, Adapter
 
 __all__ = ["ADAPTER_SCHEME", "AdapterLoader", "AdapterStore", "adapter_int_id", "lora_request"]
 
 
+_ids: dict[str, int] = {}
+_ids_lock = threading.Lock()
+_FIRST_ID = 1 << 30  # above the ids vLLM's server counts from 1
+
+
 def adapter_int_id(name: str) -> int:
-    """A stable `lora_int_id` for `name`, above the ids vLLM's server counts from 1."""
-    return (1 << 30) + zlib.crc32(name.encode()) % (1 << 30)
+    """The `lora_int_id` of the wt adapter `name` in this process: each name gets its
+    own, the first time it is asked for (vLLM caches adapters by id, so two names
+    under one id would serve each other's weights)."""
+    with _ids_lock:
+        found = _ids.get(name)
+        if found is None:
+            found = _ids[name] = _FIRST_ID + len(_ids)
+        return found
 
 
 def lora_request(name: str, int_id: int | None = None) -> Any:
@@ -73,23 +85,46 @@ class _Version:
 
 
 class AdapterStore:
-    """The adapters one worker serves from memory (see the module docstring)."""
+    """The adapters one worker serves from memory (see the module docstring).
 
-    def __init__(self, manager: Any, worker_manager: Any) -> None:
+    A name the trainer synced is served from here only: a request under that
+    name loads this store's version whatever path it carries, so no caller
+    that registers the name with a path of its own decides what it serves.
+    A request whose path is `wt-adapter:<name>` under another name (an alias a
+    caller registered) is served `<name>`'s version. `link` tells the engine
+    core which adapters are served (`serving.Generation.adapter_served`), so
+    that it fails a request on a removed one alone (`weight_transfer.vllm.gate`).
+    """
+
+    def __init__(self, manager: Any, worker_manager: Any, link: Any = None) -> None:
         self.manager = manager  # vLLM's LoRAModelManager (`model.lora_manager`)
         self.worker_manager = worker_manager
+        self.link = link  # the engine core (`serving.Generation`), or None
         self.versions: dict[str, _Version] = {}
-        self.ids: dict[str, set[int]] = {}  # the ids vLLM holds each adapter under
+        self.serving: dict[int, str] = {}  # vLLM's adapter id -> the name it holds
         self._lock = threading.Lock()
         from_disk = worker_manager._load_adapter
 
         def load_adapter(request: Any) -> Any:
-            path = getattr(request, "lora_path", "")
-            if isinstance(path, str) and path.startswith(ADAPTER_SCHEME):
-                return self.model_for(path[len(ADAPTER_SCHEME) :], request.lora_int_id)
-            return from_disk(request)
+            name = self.served_name(request)
+            if name is not None:
+                return self.model_for(name, request.lora_int_id)
+            model = from_disk(request)
+            with self._lock:  # a sync of this name replaces what it loaded
+                self.serving[request.lora_int_id] = request.lora_name
+            return model
 
         worker_manager._load_adapter = load_adapter
+
+    def served_name(self, request: Any) -> str | None:
+        """The store's adapter that `request` runs on, or None (vLLM loads it from disk)."""
+        name = getattr(request, "lora_name", None)
+        if name in self.versions:
+            return str(name)
+        path = getattr(request, "lora_path", "")
+        if isinstance(path, str) and path.startswith(ADAPTER_SCHEME):
+            return path[len(ADAPTER_SCHEME) :]
+        return None
 
     def model_for(self, name: str, lora_id: int) -> Any:
         """A `LoRAModel` of the committed adapter `name` under `lora_id`."""
@@ -99,7 +134,7 @@ class AdapterStore:
                 from vllm.exceptions import LoRAAdapterNotFoundError
 
                 raise LoRAAdapterNotFoundError(name, ADAPTER_SCHEME + name)
-            self.ids.setdefault(name, set()).add(lora_id)
+            self.serving[lora_id] = name
         return self.build(version, lora_id)
 
     def build(self, version: _Version, lora_id: int) -> Any:
@@ -120,7 +155,12 @@ class AdapterStore:
         )
 
     def check(self, name: str, version: _Version) -> None:
-        """Refuse a version this engine could not activate, naming what is wrong."""
+        """Refuse a version this engine could not run as its config declares, naming
+        the module and the field: the config's features and ranks against the
+        engine's (`max_lora_rank`); every tensor a matrix of a module this model
+        can adapt; every module both `lora_A` and `lora_B`, of the rank the config
+        gives it (`r`, or its `rank_pattern` entry: the scaling vLLM applies is
+        the config's only then), fitting the module's LoRA slots."""
         from vllm.lora.utils import parse_fine_tuned_lora_name
 
         helper = version.peft_helper
@@ -132,9 +172,11 @@ class AdapterStore:
         packed = self.manager.packed_modules_mapping
         for module in self.manager.supported_lora_modules:
             expected.update(packed.get(module, [module]))
+        saved = set(helper.modules_to_save or ())
+        parts: dict[str, dict[str, torch.Tensor]] = {}
         for tensor_name, tensor in version.tensors.items():
-            module_name, _ = parse_fine_tuned_lora_name(tensor_name)
-            if module_name.rsplit(".", 1)[-1] not in expected | set(helper.modules_to_save or ()):
+            module_name, is_a = parse_fine_tuned_lora_name(tensor_name)
+            if module_name.rsplit(".", 1)[-1] not in expected | saved:
                 raise ValueError(
                     f"LoRA adapter {name!r}: parameter {tensor_name!r} targets a module this "
                     f"model cannot adapt (its LoRA modules: {sorted(expected)})"
@@ -144,6 +186,10 @@ class AdapterStore:
                     f"LoRA adapter {name!r}: parameter {tensor_name!r} has shape "
                     f"{tuple(tensor.shape)}, not a matrix"
                 )
+            if module_name not in saved:
+                parts.setdefault(module_name, {})["lora_A" if is_a else "lora_B"] = tensor
+        for module_name, found in parts.items():
+            _check_ranks(name, module_name, found, helper)
         lora = self.build(version, 1)
         self.manager._create_merged_loras_inplace(lora)
         for module_name, module in self.manager.modules.items():
@@ -153,19 +199,45 @@ class AdapterStore:
 
     def install(self, name: str, version: _Version | None) -> _Version | None:
         """Serve `version` as `name` (None: remove it); returns the one it replaces.
-        Every id vLLM holds the replaced one under is replaced in vLLM's cache too
-        (removed, for a removal), so the next step activates this one."""
+        Every id vLLM holds `name`'s weights under (loaded through this store, or
+        from disk under the name before its first sync) is replaced in vLLM's
+        cache too (removed, for a removal), so the next step activates this one;
+        the engine core is told whether `name` is served."""
         with self._lock:
             previous = self.versions.pop(name, None)
             if version is not None:
                 self.versions[name] = version
-            held = self.ids.pop(name, set()) if version is None else set(self.ids.get(name, ()))
+            held = {i for i, n in self.serving.items() if n == name}
+            if version is None:
+                for lora_id in held:
+                    del self.serving[lora_id]
         for lora_id in held:
             cached = self.manager.get_adapter(lora_id) is not None
             self.manager.remove_adapter(lora_id)
             if version is not None and cached:  # an evicted id reloads through the hook
                 self.manager.add_adapter(self.build(version, lora_id))
+        if self.link is not None and (previous is None) != (version is None):
+            self.link.adapter_served(name, version is not None)
         return previous
+
+
+def _check_ranks(name: str, module: str, found: dict[str, torch.Tensor], helper: Any) -> None:
+    """`module`'s `lora_A` and `lora_B` are both there and of the rank its config gives."""
+    missing = [part for part in ("lora_A", "lora_B") if part not in found]
+    if missing:
+        raise ValueError(
+            f"LoRA adapter {name!r}: module {module!r} has no {missing[0]} (each adapted "
+            "module needs both lora_A and lora_B)"
+        )
+    rank, _ = helper.get_rank_and_scaling(module)
+    a_rank, b_rank = found["lora_A"].shape[0], found["lora_B"].shape[1]
+    if a_rank != rank or b_rank != rank:
+        field = "config.rank_pattern" if rank != helper.r else "config.r"
+        raise ValueError(
+            f"LoRA adapter {name!r}: module {module!r} has lora_A of rank {a_rank} and "
+            f"lora_B of rank {b_rank}, but field {field!r} gives it rank {rank} (vLLM "
+            "would scale it by its config's rank and run a slot of that rank)"
+        )
 
 
 def _check_slots(
@@ -195,6 +267,14 @@ def _check_slots(
             )
 
 
+def _served_model_names(vllm_config: Any) -> set[str]:
+    """The names requests reach the base model by (`served_model_name`, the model path)."""
+    config = getattr(vllm_config, "model_config", None)
+    names = getattr(config, "served_model_name", None)
+    listed = [names] if isinstance(names, str) else list(names or ())
+    return {str(n) for n in [*listed, getattr(config, "model", None)] if n}
+
+
 _stores: weakref.WeakKeyDictionary[Any, AdapterStore] = weakref.WeakKeyDictionary()
 _stores_lock = threading.Lock()
 
@@ -210,7 +290,10 @@ def store_for(model: torch.nn.Module) -> AdapterStore:
     with _stores_lock:
         store = _stores.get(manager)
         if store is None:
-            store = _stores[manager] = AdapterStore(manager, _worker_manager_of(manager))
+            from weight_transfer.vllm.serving import Generation
+
+            link = Generation.of_caller(data_parallel=True)
+            store = _stores[manager] = AdapterStore(manager, _worker_manager_of(manager), link)
         return store
 
 
@@ -248,6 +331,12 @@ class AdapterLoader:
         self._lock = threading.Lock()  # a transport's load thread against the control thread
 
     def begin(self) -> None:
+        served = _served_model_names(self.vllm_config)
+        if self.adapter.name in served:
+            raise ValueError(
+                f"{ADAPTER_FIELD}: field 'name' ({self.adapter.name!r}) is a name of the "
+                f"served base model ({sorted(served)}): requests on it would get the base model"
+            )
         self.store = store_for(self.model)
         if self.adapter.remove and self.adapter.name not in self.store.versions:
             raise ValueError(f"no LoRA adapter {self.adapter.name!r} to remove")

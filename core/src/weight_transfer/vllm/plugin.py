@@ -13,10 +13,12 @@ alone, so calling `register()` again is harmless and picks up backends
 registered since.
 
 It also registers vLLM as wt-core's host in this process (`host.VLLMHost`: a
-worker engine's loader and generation) and starts the process's generation
+worker engine's loader and generation), starts the process's generation
 service (`serving.serve_generation`), through which a worker in a process of
 its own reaches its engine core to resume generation after a round that lost
-its trainer.
+its trainer, and installs wt's wrappers of vLLM's entry points
+(`patches.install`: finishes carry their label to the workers; requests on
+wt adapters are admitted only while served).
 """
 
 from __future__ import annotations
@@ -55,9 +57,11 @@ def register() -> list[str]:
     if added:
         logger.debug("wt backends registered in vLLM: %s", ", ".join(added))
     from weight_transfer.runtime.hosts import register_host
+    from weight_transfer.vllm import patches
     from weight_transfer.vllm.host import VLLMHost
     from weight_transfer.vllm.serving import serve_generation
 
     register_host(VLLMHost())
     serve_generation()
+    patches.install()
     return added

@@ -16,12 +16,23 @@ from a worker's control call, which vLLM always runs from its engine core):
   `serve_generation` (started by wt's vLLM plugin in every vLLM process)
   listens on: one request per connection, an op byte and its argument (`?`
   reads the pause state, `!` resumes, `L` reads the weight version label, `S`
-  sets it to the UTF-8 argument); the answer is the rest of the stream. The
-  service answers only a child process of the same user (`SO_PEERCRED`).
+  sets it to the UTF-8 argument, `V` votes to resume (argument
+  `<round>:<rank>:<world_size>`: the engine core resumes once every worker
+  voted for the round), `A` / `D` tell the engine core that the LoRA adapter
+  named by the argument is served / no longer served: `gate`); the answer is
+  the rest of the stream. The service answers only a child process of the same
+  user (`SO_PEERCRED`).
 
-Data-parallel engine cores are left alone (their resume is a collective across
-ranks): generation there stays paused until a trainer or an operator resumes
-it. Version-pinned to vLLM 0.32's engine core: `is_scheduler_paused()`, the
+An engine of several workers (tensor or pipeline parallel) resumes only when
+all of its workers ask (`resume_when_all`): each rolls its own round back, and
+one worker's resume would run requests while another still restores its
+weights.
+
+Data-parallel engine cores' generation is left alone (their resume is a
+collective across ranks): it stays paused until a trainer or an operator
+resumes it. Their adapter gate is kept as any engine core's.
+
+Version-pinned to vLLM 0.32's engine core: `is_scheduler_paused()`, the
 scheduler's pause state, `input_queue` with its `WAKEUP` request, and
 `get_weight_version` / `set_weight_version` (the label lives in the engine core).
 """
@@ -47,7 +58,8 @@ _ADDRESS = "\0wt-generation-{pid}"
 _ASK_TIMEOUT_S = 2.0
 _MAX_MESSAGE = 4096
 QUERY, RESUME, LABEL, SET_LABEL = b"?", b"!", b"L", b"S"
-PAUSED, RUNNING, DONE, UNKNOWN = b"P", b"U", b"R", b"N"
+ADAPTER_SERVED, ADAPTER_DROPPED, VOTE = b"A", b"D", b"V"
+PAUSED, RUNNING, DONE, UNKNOWN, DATA_PARALLEL = b"P", b"U", b"R", b"N", b"M"
 
 
 class Generation:
@@ -58,14 +70,19 @@ class Generation:
         self._parent = parent
 
     @classmethod
-    def of_caller(cls) -> Generation | None:
+    def of_caller(cls, *, data_parallel: bool = False) -> Generation | None:
         """The engine core calling this worker (on this thread's stack, else this
-        process's parent), or None when neither is one that wt can resume."""
+        process's parent), or None when neither is one that wt can resume;
+        `data_parallel`: a data-parallel engine core too (for its adapter gate
+        alone: `adapter_served`)."""
         core = _core_on_stack()
         if core is not None:
-            return None if _data_parallel(core) else cls(core)
+            return None if _data_parallel(core) and not data_parallel else cls(core)
         parent = cls(parent=os.getppid())
-        return parent if parent._ask(QUERY) in (PAUSED, RUNNING) else None
+        answer = parent._ask(QUERY)
+        if answer in (PAUSED, RUNNING) or (data_parallel and answer == DATA_PARALLEL):
+            return parent
+        return None
 
     def paused(self) -> bool | None:
         """Whether generation is paused (by anyone); None when the engine core gives no
@@ -82,6 +99,16 @@ class Generation:
         elif self._ask(RESUME) != DONE:
             logger.warning("the engine core did not confirm it resumed generation")
 
+    def resume_when_all(self, round_id: int, rank: int, world_size: int) -> None:
+        """Resume once each of the engine's `world_size` workers asked for round
+        `round_id` (at once for an engine of one worker)."""
+        if world_size == 1:
+            self.resume()
+        elif self._core is not None:
+            _vote(self._core, round_id, rank, world_size)
+        elif self._ask(VOTE + f"{round_id}:{rank}:{world_size}".encode()) != DONE:
+            logger.warning("the engine core did not take this worker's resume")
+
     def label(self) -> str | None:
         """The engine's weight version label (None when it cannot be read)."""
         if self._core is not None:
@@ -95,6 +122,18 @@ class Generation:
             self._core.set_weight_version(label)
         elif self._ask(SET_LABEL + label.encode()) != DONE:
             logger.warning("the engine core did not confirm it set the label %r", label)
+
+    def adapter_served(self, name: str, served: bool) -> None:
+        """Tell the engine core whether it serves the wt LoRA adapter `name`, so
+        that it admits requests naming it, or fails them alone (`gate`)."""
+        if self._core is not None:
+            from weight_transfer.vllm import gate
+
+            gate.set_served(self._core, name, served)
+            return
+        op = ADAPTER_SERVED if served else ADAPTER_DROPPED
+        if self._ask(op + name.encode()) != DONE:
+            logger.warning("the engine core did not confirm adapter %r is %s", name, op)
 
     def _ask(self, request: bytes) -> bytes:
         """The parent's answer to `request`; UNKNOWN when it gives none."""
@@ -161,6 +200,26 @@ def _resume(core: Any) -> None:
             queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
 
+_votes: weakref.WeakKeyDictionary[Any, dict[int, set[int]]] = weakref.WeakKeyDictionary()
+_votes_lock = threading.Lock()
+
+
+def _vote(core: Any, round_id: int, rank: int, world_size: int) -> None:
+    """Worker `rank` asks `core` to resume for round `round_id`; once all `world_size`
+    workers did, resume (votes of earlier rounds are dropped)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, {world_size})")
+    with _votes_lock:
+        rounds = _votes.setdefault(core, {})
+        voters = rounds.setdefault(round_id, set())
+        voters.add(rank)
+        complete = len(voters) == world_size
+        for older in [r for r in rounds if r < round_id or (complete and r == round_id)]:
+            del rounds[older]
+    if complete:
+        _resume(core)
+
+
 # -- the engine core's side, for workers in processes of their own -------------------
 _serving_pid = 0
 _serving_lock = threading.Lock()
@@ -206,11 +265,22 @@ def _answer(conn: socket.socket) -> bytes:
         return UNKNOWN
     request = _read_all(conn)
     core = _engine_core()
-    if core is None or _data_parallel(core) or len(request) > _MAX_MESSAGE:
+    if core is None or len(request) > _MAX_MESSAGE:
         return UNKNOWN
     op, argument = request[:1], request[1:]
+    if op in (ADAPTER_SERVED, ADAPTER_DROPPED):
+        from weight_transfer.vllm import gate
+
+        gate.set_served(core, argument.decode(), op == ADAPTER_SERVED)
+        return DONE
+    if _data_parallel(core):
+        return DATA_PARALLEL if op == QUERY else UNKNOWN
     if op == RESUME:
         _resume(core)
+        return DONE
+    if op == VOTE:
+        round_id, rank, world_size = (int(x) for x in argument.decode().split(":"))
+        _vote(core, round_id, rank, world_size)
         return DONE
     if op == LABEL:
         return DONE + str(core.get_weight_version()).encode()
