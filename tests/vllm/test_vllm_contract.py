@@ -114,3 +114,53 @@ def test_the_lora_bridge_finds_what_it_uses_in_the_installed_vllm() -> None:
     assert "self.model.lora_manager = self" in (root / "lora" / "model_manager.py").read_text()
     mixin = (root / "v1" / "worker" / "lora_model_runner_mixin.py").read_text()
     assert "self.lora_manager = LRUCacheWorkerLoRAManager(" in mixin
+
+
+# What `weight_transfer.vllm.patches` and `gate` wrap or call in vLLM (vLLM 0.33.0's wheel has each
+# of them, with the same parameters, and its `MultiprocExecutor.collective_rpc` still stops reading
+# replies at the first failed worker unless fault tolerance is on: read from its source).
+ENTRY_POINTS = {
+    "vllm.v1.engine.async_llm:AsyncLLM": ("finish_weight_update", "update_weight_version"),
+    "vllm.entrypoints.rl.offline:RLOfflineMixin": ("finish_weight_update",),
+    "vllm.v1.engine.core:EngineCore": ("add_request", "collective_rpc"),
+    "vllm.v1.engine.core:EngineCoreProc": ("_send_error_outputs_to_client",),
+    "vllm.v1.engine.llm_engine:LLMEngine": ("add_request", "set_weight_version"),
+    "vllm.v1.executor.multiproc_executor:MultiprocExecutor": ("collective_rpc",),
+    "vllm.v1.core.sched.scheduler:Scheduler": ("finish_requests",),
+}
+SIGNATURES = {
+    "vllm.v1.engine.async_llm:AsyncLLM.finish_weight_update": ("weight_version",),
+    "vllm.entrypoints.rl.offline:RLOfflineMixin.finish_weight_update": ("weight_version",),
+    "vllm.v1.engine.core:EngineCore.add_request": ("request", "request_wave"),
+    "vllm.v1.executor.multiproc_executor:MultiprocExecutor.collective_rpc": (
+        "method", "timeout", "args", "kwargs", "non_block", "unique_reply_rank",
+        "kv_output_aggregator", "ec_output_aggregator",
+    ),
+}  # fmt: skip
+
+
+def _resolve(where: str) -> Any:
+    import importlib
+
+    module, _, path = where.partition(":")
+    owner = importlib.import_module(module)
+    for part in path.split("."):
+        owner = getattr(owner, part)
+    return getattr(owner, "__wrapped__", owner)  # wt's wrappers keep vLLM's own beside them
+
+
+def test_the_entry_points_wt_wraps_are_where_it_wraps_them_in_the_installed_vllm() -> None:
+    for where, attributes in ENTRY_POINTS.items():
+        owner = _resolve(where)
+        assert [a for a in attributes if not hasattr(owner, a)] == [], where
+    for where, parameters in SIGNATURES.items():
+        assert _parameters(_resolve(where)) == parameters, where
+    from vllm.v1.request import RequestStatus
+
+    assert RequestStatus.FINISHED_ERROR.name == "FINISHED_ERROR"
+    from vllm.v1.engine.core_client import InprocClient
+
+    assert "self.engine_core = EngineCore(" in inspect.getsource(InprocClient.__init__)
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert "self._weight_update_active = False" in inspect.getsource(Worker.__init__)
