@@ -30,6 +30,7 @@ CORE = "./core"
 PLUGINS = ["./plugins/nccl", "./plugins/sparse_nccl", "./plugins/ipc", "./plugins/sharded_rdt"]
 EXAMPLE = "./examples/wt-example"
 TOOLS = "./tools"  # demo, bench, tiny-model builder: applications, not core
+INTEGRATIONS = ["./integrations/trl"]  # RL libraries syncing through wt (wt-trl pins trl)
 DISTRIBUTIONS = [CORE, *PLUGINS, EXAMPLE, TOOLS]
 SOURCES = [
     "core/src/weight_transfer",
@@ -39,6 +40,7 @@ SOURCES = [
     "plugins/sharded_rdt/src/wt_sharded_rdt",
     "examples/wt-example/src/wt_example",
     "tools/src/wt_tools",
+    "integrations/trl/src/wt_trl",
 ]
 PEFT = "peft>=0.17"  # LoRA adapters: the trainer's model in the LoRA tests and the bench
 TEST_DEPS = [
@@ -80,7 +82,7 @@ def tests(session: nox.Session) -> None:
     OpenMP threads starve each other (a tiny model's forward took 30+ s).
     """
     install_stack(session)
-    session.install(*TEST_DEPS)
+    session.install(*TEST_DEPS, *INTEGRATIONS)
     args = session.posargs or ["tests", "-m", "not extended"]
     session.run("pytest", "-n", "2", "--dist", "loadgroup", *args, env={"OMP_NUM_THREADS": "1"})
 
@@ -96,7 +98,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     session.install(TORCH)
     session.install(MYPY, "pluggy", "httpx")
-    session.install("--no-deps", *(f"-e{d}" for d in DISTRIBUTIONS))
+    session.install("--no-deps", *(f"-e{d}" for d in [*DISTRIBUTIONS, *INTEGRATIONS]))
     session.run("mypy", *SOURCES)
 
 
@@ -109,7 +111,7 @@ def wheels(session: nox.Session) -> None:
     """
     dist = Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    for d in DISTRIBUTIONS:
+    for d in [*DISTRIBUTIONS, *INTEGRATIONS]:
         session.run("pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(dist), d)
     session.log("built: " + ", ".join(sorted(p.name for p in dist.glob("*.whl"))))
     check = ROOT / "tests" / "wheel_check.py"
@@ -168,7 +170,7 @@ def gpu(session: nox.Session) -> None:
         session.skip("needs CUDA (nvidia-smi)")
     session.install(VLLM_CUDA_NEXT)
     session.install(*DISTRIBUTIONS)
-    session.install(*TEST_DEPS)
+    session.install(*TEST_DEPS, *INTEGRATIONS)
     session.run(
         "pytest", "tests/gpu", "tests/vllm/test_vllm_contract.py", "tests/vllm/test_local.py",
         "-m", "not extended", *session.posargs,

@@ -24,6 +24,7 @@ PACKAGES = [
     *sorted((ROOT / "plugins").glob("*/src/wt_*")),
     ROOT / "examples/wt-example/src/wt_example",
     ROOT / "tools/src/wt_tools",
+    *sorted((ROOT / "integrations").glob("*/src/wt_*")),
 ]
 ENTRY_POINTS = {
     "weight_transfer",
@@ -145,9 +146,9 @@ def test_no_upward_import(module: str) -> None:
 
 def test_the_core_is_the_contract_and_its_runtime() -> None:
     """Every core module is either the contract a backend author reads (small: at
-    most 8 modules, about 1,600 lines) or the runtime that keeps it."""
+    most 8 modules and 1,900 lines) or the runtime that keeps it."""
     core = {m for m in MODULES if m.startswith("weight_transfer") and _layer(m) == 0}
     runtime = {m for m in core if _within(m, "weight_transfer.runtime")}
     assert core - runtime == CONTRACT
     lines = sum(len(MODULES[m].read_text().splitlines()) for m in CONTRACT)
-    assert len(CONTRACT) <= 8 and lines <= 1800, (len(CONTRACT), lines)
+    assert len(CONTRACT) <= 8 and lines <= 1900, (len(CONTRACT), lines)

@@ -378,3 +378,42 @@ def test_module_source_declares_dtensor_owners_and_placements(tmp_path: Any) -> 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         declared = pool.apply(_declared_by_module_source, (str(tmp_path / "store"),))
     assert declared == (((0,), (1,), (Shard(1),)), (None, None), True, None, True)
+
+
+def test_metadata_from_triplets_as_trl_and_vllm_write_them() -> None:
+    from weight_transfer import StreamedSource, param_metadata
+
+    metas = param_metadata(
+        [("a", "float32", [2, 3]), ("b", "torch.bfloat16", (4,)), ("c", torch.int64, [])]
+    )
+    assert [(m.name, m.dtype, m.shape) for m in metas] == [
+        ("a", torch.float32, (2, 3)),
+        ("b", torch.bfloat16, (4,)),
+        ("c", torch.int64, ()),
+    ]
+    for bad, field in [
+        (("a", "float33", [1]), "metadata[0] ('a'): dtype"),
+        (("a", "float32", [1, -1]), "field 'shape'"),
+        (("", "float32", [1]), "field 'name'"),
+        (("a", "float32"), "not a (name, dtype, shape)"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(field)):
+            param_metadata([bad])
+    source = StreamedSource([("a", "float32", [2])], iter([("a", torch.ones(2))]))
+    assert [m.name for m in source.metadata()] == ["a"]
+    assert [n for n, _ in source] == ["a"]
+    with pytest.raises(RuntimeError, match="iterated once"):
+        iter(source)
+
+
+def test_a_trainer_device_may_be_a_string_a_torch_device_or_a_cuda_index() -> None:
+    from wt_ipc import IPCTrainerInitInfo
+    from wt_nccl import NCCLTrainerInitInfo
+
+    for given, kept in [("cpu", "cpu"), (torch.device("cpu"), "cpu"), (1, "cuda:1"), (None, None)]:
+        info = NCCLTrainerInitInfo("127.0.0.1", 1234, 2, rank=0, device=given)
+        assert info.device == kept
+        assert IPCTrainerInitInfo(rank=0, device=given).device == kept
+    assert NCCLTrainerInitInfo("127.0.0.1", 1234, 2, rank=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="NCCLTrainerInitInfo: field 'device'"):
+        NCCLTrainerInitInfo("127.0.0.1", 1234, 2, rank=0, device=3.5)  # type: ignore[arg-type]

@@ -30,7 +30,10 @@ from tests.vllm.conftest import (
 )
 from weight_transfer.kits.group.stateless import free_port
 
-__all__ = ["Server", "Traffic", "ServerPool", "READY_TIMEOUT_S", "SERVED_NAME"]
+__all__ = [
+    "Server", "Traffic", "ServerPool", "READY_TIMEOUT_S", "SERVED_NAME", "completions",
+    "weight_version",
+]  # fmt: skip
 
 READY_TIMEOUT_S = 240.0
 # Every server takes LoRA adapters (test_lora.py); with none named, its base outputs
@@ -145,36 +148,46 @@ class Server:
 
     def generate(self, model: str | None = None) -> Outputs:
         """Greedy tokens and logprobs of `PROMPTS` on `model` (default: the base model)."""
-        body = {
-            "model": model or self.model_dir,
-            "prompt": PROMPTS,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0.0,
-            "logprobs": LOGPROBS,
-            "ignore_eos": True,
-            "return_tokens_as_token_ids": True,
-        }
-        response = self.http.post("/v1/completions", json=body)
-        response.raise_for_status()
-        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
-        outputs: Outputs = []
-        for choice in choices:
-            lp = choice["logprobs"]
-            tokens = [_token_id(t) for t in lp["tokens"]]
-            positions = []
-            for token, logprob, top in zip(
-                tokens, lp["token_logprobs"], lp["top_logprobs"], strict=True
-            ):
-                entries = {_token_id(t): v for t, v in top.items()}
-                entries[token] = logprob
-                positions.append(sorted(entries.items()))
-            outputs.append((tokens, positions))
-        return outputs
+        return completions(self.http, model or self.model_dir)
 
     def weight_version(self) -> str:
-        response = self.http.get("/weight_info")
-        response.raise_for_status()
-        return str(response.json()["weight_version"])
+        return weight_version(self.http)
+
+
+def completions(http: httpx.Client, model: str) -> Outputs:
+    """Greedy tokens and logprobs of `PROMPTS` on `model`, from the server `http` reaches."""
+    body = {
+        "model": model,
+        "prompt": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "logprobs": LOGPROBS,
+        "ignore_eos": True,
+        "return_tokens_as_token_ids": True,
+    }
+    response = http.post("/v1/completions", json=body)
+    response.raise_for_status()
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    outputs: Outputs = []
+    for choice in choices:
+        lp = choice["logprobs"]
+        tokens = [_token_id(t) for t in lp["tokens"]]
+        positions = []
+        for token, logprob, top in zip(
+            tokens, lp["token_logprobs"], lp["top_logprobs"], strict=True
+        ):
+            entries = {_token_id(t): v for t, v in top.items()}
+            entries[token] = logprob
+            positions.append(sorted(entries.items()))
+        outputs.append((tokens, positions))
+    return outputs
+
+
+def weight_version(http: httpx.Client) -> str:
+    """The weight version label of the server `http` reaches (`GET /weight_info`)."""
+    response = http.get("/weight_info")
+    response.raise_for_status()
+    return str(response.json()["weight_version"])
 
 
 def _token_id(token: str) -> int:

@@ -29,7 +29,7 @@ from weight_transfer.factory import (
 from weight_transfer.fleet import FanOutClient, FleetError
 from weight_transfer.position import WorkerPosition
 from weight_transfer.runtime.adapters import Adapter, LoRASource, remove_adapter
-from weight_transfer.runtime.sources import ModuleSource
+from weight_transfer.runtime.sources import ModuleSource, StreamedSource, param_metadata
 from weight_transfer.session import WorkerSession
 from weight_transfer.source import (
     ParamMeta,
@@ -47,6 +47,8 @@ __all__ = [
     "Shard",
     "WeightSource",
     "ModuleSource",
+    "StreamedSource",
+    "param_metadata",
     "LoRASource",
     "Adapter",
     "remove_adapter",

@@ -110,7 +110,9 @@ class VLLMWeightSyncClient(Protocol):
 
 @dataclass
 class TrainerInitInfo:
-    """How a caller configures a transfer. `rank` 0 is the only sender.
+    """How a caller configures a transfer. `rank` is this process's rank in the
+    training job (every trainer rank builds its engine; rank 0 is the only
+    sender), not a rank in the transfer's own group.
 
     Subclasses set the ClassVar `backend` (the factory's dispatch key) and add
     the backend's wire parameters, which the sender ships to the workers.

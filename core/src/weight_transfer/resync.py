@@ -1,8 +1,10 @@
-"""Full-resync backends: the whole model every round, from a fixed `WeightSource`.
+"""Full-resync backends: the whole model every round, from a `WeightSource`.
 
 `ResyncTrainerEngine` is the trainer side with the round written once. A
 backend subclasses it and supplies its transmit step; `send_weights` does the
-rest on every rank:
+rest on every rank, from the engine's source or the round's own
+(`send_weights(source=...)`, e.g. a `StreamedSource` of tensors handed over on
+the call):
 
 1. `metadata()` on every rank (it may be a collective); a non-sender then
    iterates the source (staying in its trainer-side collectives) and returns;
@@ -18,6 +20,11 @@ rest on every rank:
    default), refuses a floating tensor holding NaN or infinity (per tensor, or
    per bucket in `transmit` where `finite_per_bucket`);
 4. the workers' answer, then `finish_weight_update(weight_version)`.
+
+A round may also take its tensors in several chunks, streamed in order between
+one start and one finish: `begin()`, `send_weight_chunk(source)` per chunk
+(each steps 1-3 for its tensors), `end(weight_version)`; the finish commits
+every chunk or, after any failure (`abort(reason)`, a chunk that raised), none.
 
 `ParamListUpdateInfo` is the per-round update info most full-resync backends
 need (names, wire dtype names and shapes, in metadata order).
@@ -42,9 +49,10 @@ from weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from weight_transfer.payload import dtype_from_name, dtype_name
-from weight_transfer.rounds import Transfer
+from weight_transfer.rounds import TrainerRound, Transfer
 from weight_transfer.runtime.control import ChannelDownError
 from weight_transfer.runtime.round_client import DEFAULT_TIMEOUT_S
+from weight_transfer.runtime.sources import source_view
 from weight_transfer.source import ParamMeta, WeightSource, checked_iteration
 
 __all__ = [
@@ -152,8 +160,8 @@ class ParamListUpdateInfo(WeightTransferUpdateInfo):
 class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):
     """A full-resync trainer engine: the backend supplies `transmit`; see the module doc.
 
-    Construction refuses a missing `source` (`ValueError`): a full resync
-    re-reads the same source every round.
+    Without a `source` at construction every round names its own
+    (`send_weights(source=...)`, `send_weight_chunk`).
     """
 
     #: True for a backend whose `transmit` runs the finite check itself while
@@ -170,27 +178,97 @@ class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):
         is_sender: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        if source is None:
-            raise ValueError(
-                f"{self.init_info_cls.backend} is a full-resync backend: trainer_init needs "
-                "a WeightSource"
-            )
         super().__init__(client=client, source=source, is_sender=is_sender, timeout_s=timeout_s)
         self.check_finite = True
+        self._own_source = source  # as given: what its rounds ask for an adapter
+        self._chunked: TrainerRound | None = None  # the round `begin()` opened
 
-    def send_weights(self, weight_version: str | None = None) -> None:
+    def send_weights(
+        self, weight_version: str | None = None, *, source: WeightSource | None = None
+    ) -> None:
         """One full round; returns with nothing in flight.
 
         `weight_version` labels the new weights; the workers commit it in the
-        same `finish_weight_update` that commits the weights.
+        same `finish_weight_update` that commits the weights. `source`: this
+        round's tensors (default: the engine's source).
         """
-        source = self.source
-        assert source is not None
+        given, source = source, self._source_of(source)
         metas = source.metadata()
         if not self.is_sender:
             for _ in source:
                 pass
             return
+        self._ready()
+        num_chunks = self.num_chunks(metas)
+        self.client.adapter_source = self._own_source if given is None else given
+        round_ = self.open_round(
+            num_params=len(metas),
+            total_bytes=sum(m.nbytes for m in metas),
+            num_chunks=num_chunks,
+        )
+        self._send(round_, metas, source)
+        round_.finish(weight_version)
+
+    def begin(self) -> None:
+        """Open a round that takes its tensors in chunks (`send_weight_chunk`), until
+        `end` commits them all or `abort` drops them all."""
+        if not self.is_sender:
+            return
+        if self._chunked is not None:
+            raise RuntimeError("begin() called twice without end() or abort()")
+        self._ready()
+        self.client.adapter_source = self._own_source
+        self._chunked = self.open_round(num_params=0, total_bytes=0, num_chunks=0)
+
+    def send_weight_chunk(self, source: WeightSource) -> None:
+        """Send `source`'s tensors into the round `begin()` opened, after the chunks
+        before it. A chunk that fails ends the round: every worker rolls all of
+        it back (do not call `end`)."""
+        source = source_view(source, None)
+        metas = source.metadata()
+        if not self.is_sender:
+            for _ in source:
+                pass
+            return
+        round_ = self._chunked
+        if round_ is None:
+            raise RuntimeError("send_weight_chunk() without begin() (or after a chunk failed)")
+        tracker = round_.tracker
+        tracker.num_chunks += self.num_chunks(metas)
+        tracker.num_params += len(metas)
+        tracker.total_bytes += sum(m.nbytes for m in metas)
+        try:
+            self._send(round_, metas, source)
+        finally:
+            if round_.closed:
+                self._chunked = None
+
+    def end(self, weight_version: str | None = None) -> None:
+        """Commit every chunk of the round `begin()` opened, labeled `weight_version`."""
+        if not self.is_sender:
+            return
+        round_, self._chunked = self._chunked, None
+        if round_ is None:
+            raise RuntimeError("end() without begin() (or after a chunk failed)")
+        round_.finish(weight_version)
+
+    def abort(self, reason: str) -> None:
+        """Drop the round `begin()` opened, if any: every worker rolls it back."""
+        round_, self._chunked = self._chunked, None
+        if round_ is not None:
+            round_.abort(reason)
+
+    def _source_of(self, source: WeightSource | None) -> WeightSource:
+        if source is not None:
+            return source_view(source, None)
+        if self.source is None:
+            raise ValueError(
+                f"{self.backend}: no WeightSource: give trainer_init one, or send_weights(source=)"
+            )
+        return self.source
+
+    def _ready(self) -> None:
+        """`check_ready()`; a channel that is down is re-formed first where the backend can."""
         try:
             self.check_ready()
         except ChannelDownError as down:
@@ -199,23 +277,15 @@ class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):
             logger.warning("%s: re-forming the channel before the round (%s)", self.backend, down)
             self.reconnect()
             self.check_ready()
-        num_chunks = self.num_chunks(metas)
-        round_ = self.open_round(
-            num_params=len(metas),
-            total_bytes=sum(m.nbytes for m in metas),
-            num_chunks=num_chunks,
-        )
+
+    def _send(self, round_: TrainerRound, metas: list[ParamMeta], source: WeightSource) -> None:
+        finite = self.check_finite and not self.finite_per_bucket
         round_.update(
             self.update_info(metas),
             lambda transfer: self.transmit(
-                metas,
-                checked_iteration(
-                    metas, source, finite=self.check_finite and not self.finite_per_bucket
-                ),
-                transfer,
+                metas, checked_iteration(metas, source, finite=finite), transfer
             ),
         )
-        round_.finish(weight_version)
 
     def check_ready(self) -> None:
         """Raise if the channel cannot carry a round (before anything is called)."""

@@ -134,6 +134,11 @@ class TrainerRound:
         finally:
             self.tracker.fail(error)
 
+    def abort(self, reason: str) -> None:
+        """End the round without committing it: every worker rolls it back."""
+        if not self.closed:
+            self._fail(RuntimeError(reason), finishing=False)
+
     def update(self, update_info: Any, transmit: Callable[[Transfer], None]) -> None:
         """`update_weights(update_info)` while `transmit` moves its bytes; then its answer."""
 

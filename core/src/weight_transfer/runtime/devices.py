@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["trainer_device", "synchronize_device"]
+__all__ = ["trainer_device", "device_name", "synchronize_device"]
 
 
 def trainer_device(device: str | None) -> torch.device:
@@ -14,6 +14,26 @@ def trainer_device(device: str | None) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def device_name(device: str | torch.device | int | None, *, what: str) -> str | None:
+    """`device` as a trainer init info keeps it: a device string (`"cpu"`,
+    `"cuda:1"`), given one, a `torch.device`, or a CUDA index (as frameworks pass
+    `accelerator.device` or `current_device()`); None stays None. `ValueError`
+    names the field."""
+    if device is None:
+        return None
+    try:
+        if isinstance(device, int) and not isinstance(device, bool):
+            return str(torch.device("cuda", device))
+        if isinstance(device, (str, torch.device)):
+            return str(torch.device(device))
+    except (RuntimeError, ValueError):
+        pass
+    raise ValueError(
+        f"{what}: field 'device' must be a device (a string, a torch.device or a CUDA "
+        f"index), got {device!r}"
+    )
 
 
 def synchronize_device(device: torch.device) -> None:

@@ -1,14 +1,17 @@
 """Sources as engines see them: `source_view` (either way of writing one, the spec's
 contract), where each rank's piece of a sharded parameter lies (`local_box`,
-`shard_boxes`), and `ModuleSource` (a module's parameters, plain or DTensor)."""
+`shard_boxes`), `ModuleSource` (a module's parameters, plain or DTensor), and
+the tensors of one round handed over on the call (`StreamedSource`, with
+`param_metadata` for metadata written as `(name, dtype, shape)` triplets)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from weight_transfer.payload import dtype_from_name
 from weight_transfer.source import (
     ParamMeta,
     Placement,
@@ -20,7 +23,19 @@ from weight_transfer.source import (
     overrides,
 )
 
-__all__ = ["source_view", "ModuleSource", "Box", "local_box", "shard_boxes", "unravel"]
+__all__ = [
+    "source_view",
+    "ModuleSource",
+    "StreamedSource",
+    "param_metadata",
+    "Box",
+    "local_box",
+    "shard_boxes",
+    "unravel",
+]
+
+# `(name, dtype, shape)`: a parameter as TRL's and vLLM's clients describe one.
+Triplet = tuple[str, "str | torch.dtype", Sequence[int]]
 
 # A box of a tensor: per dim, `(start, length)`.
 Box = tuple[tuple[int, int], ...]
@@ -218,3 +233,54 @@ def _is_member(param: torch.Tensor) -> bool:
     """Whether this rank is in `param`'s device mesh (a plain tensor: always)."""
     mesh = getattr(param, "device_mesh", None)
     return mesh is None or mesh.get_coordinate() is not None
+
+
+def param_metadata(triplets: Iterable[Triplet | ParamMeta]) -> list[ParamMeta]:
+    """`ParamMeta`s of `(name, dtype, shape)` triplets as TRL and vLLM write them:
+    `dtype` a `torch.dtype` or its name, with or without `torch.` (`"bfloat16"`,
+    `"torch.float32"`), `shape` a sequence of ints (a `ParamMeta` passes as it
+    is). `ValueError` names the entry and the field."""
+    metas = []
+    for i, entry in enumerate(triplets):
+        if isinstance(entry, ParamMeta):
+            metas.append(entry)
+            continue
+        try:
+            name, dtype, shape = entry
+        except (TypeError, ValueError):
+            raise ValueError(f"metadata[{i}]: not a (name, dtype, shape): {entry!r}") from None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"metadata[{i}]: field 'name' must be a non-empty string: {name!r}")
+        if not isinstance(dtype, torch.dtype):
+            field = f"metadata[{i}] ({name!r}): dtype"
+            dtype = dtype_from_name(str(dtype).removeprefix("torch."), field=field)
+        if not isinstance(shape, Sequence) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise ValueError(f"metadata[{i}] ({name!r}): field 'shape' must be sizes: {shape!r}")
+        metas.append(ParamMeta(name, dtype, tuple(shape)))
+    return metas
+
+
+class StreamedSource(WeightSource):
+    """The tensors of one round, handed over on the call: `metadata` (`ParamMeta`s,
+    or `(name, dtype, shape)` triplets: `param_metadata`) and `pairs`, an iterable
+    of `(name, tensor)` in the same order, iterated once. For
+    `send_weights(source=...)` and `send_weight_chunk`, where a framework hands
+    a round's tensors over as it makes them; each is checked against its entry
+    as it is drawn, as any source's are."""
+
+    def __init__(
+        self,
+        metadata: Iterable[Triplet | ParamMeta],
+        pairs: Iterable[tuple[str, torch.Tensor]],
+    ) -> None:
+        self._metas = param_metadata(metadata)
+        self._pairs: Iterator[tuple[str, torch.Tensor]] | None = iter(pairs)
+
+    def metadata(self) -> list[ParamMeta]:
+        return list(self._metas)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        pairs, self._pairs = self._pairs, None
+        if pairs is None:
+            raise RuntimeError("a StreamedSource is iterated once: make one per round or chunk")
+        return pairs

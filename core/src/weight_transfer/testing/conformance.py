@@ -10,8 +10,9 @@ of known weights, so the tests of one profile share its workers.
 Checked: bit-exact rounds in every wire mode; a failing worker (named, every
 worker rolled back, the next round works); a source that disagrees with its
 metadata (the parameter named, rolled back); a source written as vLLM 0.33
-writes one (cached `metadata`, `iter_full`); a round aborted in band and one
-left open; a killed worker (the round fails within the timeout, the restarted
+writes one (cached `metadata`, `iter_full`); a full-resync round's tensors
+handed over on the call, whole or in chunks (all or nothing); a round aborted
+in band and one left open; a killed worker (the round fails within the timeout, the restarted
 worker is re-admitted); one trainer per engine; re-admission of an engine
 that was shut down.
 """
@@ -29,6 +30,8 @@ import pytest
 import torch
 
 from weight_transfer.factory import WeightTransferTrainerFactory
+from weight_transfer.resync import ResyncTrainerEngine
+from weight_transfer.runtime.sources import StreamedSource
 from weight_transfer.source import WeightSource
 from weight_transfer.testing.models import (
     DISAGREEMENTS,
@@ -249,6 +252,57 @@ def test_a_source_written_as_vllm_033_writes_one_syncs_bit_exactly(
     source.how = None
     engine.send_weights()
     assert_holds(trainers.pool, tensors, "the round after a 0.33-style source disagreed")
+
+
+def _streamed(tensors: dict[str, torch.Tensor], names: list[str], fail_at: str = "") -> Any:
+    """`names` of `tensors` handed over on the call, metadata as `(name, dtype, shape)`;
+    drawing `fail_at` raises (a framework failing while it hands tensors over)."""
+
+    def pairs() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:
+            if name == fail_at:
+                raise RuntimeError(f"conformance: the framework failed at {name}")
+            yield name, tensors[name]
+
+    metadata = [(n, str(tensors[n].dtype), list(tensors[n].shape)) for n in names]
+    return StreamedSource(metadata, pairs())
+
+
+def test_a_round_handed_over_on_the_call_whole_or_in_chunks_is_all_or_nothing(
+    wt_profile: Profile, trainers: Trainers
+) -> None:
+    """An engine built without a source: a round from `send_weights(source=...)`,
+    then one of two chunks between `begin()` and `end()`, each bit-exact; a round
+    whose second chunk fails, and one aborted after its first, leave every worker
+    on the weights before it; the next round works."""
+    engine_class = WeightTransferTrainerFactory.get_engine_class(wt_profile.backend)
+    if not wt_profile.takes_source or not issubclass(engine_class, ResyncTrainerEngine):
+        pytest.skip(f"{wt_profile} is not a full-resync engine of a WeightSource")
+    engine = trainers.start(None)  # type: ignore[arg-type]  # every round names its source
+    pool = trainers.pool
+    tensors = conformance_weights(12)
+    names = list(tensors)
+    half = len(names) // 2
+    engine.send_weights(source=_streamed(tensors, names))
+    assert_holds(pool, tensors, "a round handed over on the call")
+    tensors = conformance_weights(13)
+    engine.begin()
+    engine.send_weight_chunk(_streamed(tensors, names[:half]))
+    engine.send_weight_chunk(_streamed(tensors, names[half:]))
+    engine.end("chunked")
+    assert_holds(pool, tensors, "a round of two chunks")
+    before, tensors = tensors, conformance_weights(14)
+    engine.begin()
+    engine.send_weight_chunk(_streamed(tensors, names[:half]))
+    with pytest.raises(RuntimeError, match="the framework failed"):
+        engine.send_weight_chunk(_streamed(tensors, names[half:], fail_at=names[-1]))
+    assert_holds(pool, before, "after the second chunk failed", within_s=TIMEOUT_S)
+    engine.begin()
+    engine.send_weight_chunk(_streamed(tensors, names[:half]))
+    engine.abort("conformance: the framework gave the round up")
+    assert_holds(pool, before, "after a round of chunks was aborted", within_s=TIMEOUT_S)
+    engine.send_weights(source=_streamed(tensors, names))
+    assert_holds(pool, tensors, "the round after")
 
 
 def test_a_round_aborted_in_band_or_left_open_changes_nothing_and_the_next_round_works(

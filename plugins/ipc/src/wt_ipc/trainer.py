@@ -33,7 +33,7 @@ import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -60,7 +60,7 @@ from weight_transfer.kits.stream import (
     WireParams,
 )
 from weight_transfer.resync import param_list_digests
-from weight_transfer.runtime.devices import trainer_device
+from weight_transfer.runtime.devices import device_name, trainer_device
 from weight_transfer.runtime.limits import check_int_range
 from weight_transfer.runtime.waiting import PEER_GRACE_S, in_background
 from wt_ipc.planes import TrainerStaging
@@ -101,21 +101,23 @@ class IPCTrainerInitInfo(WireParams, TrainerInitInfo):
     the workers' init, which vLLM's `init_weight_transfer_engine` returns from
     only once every worker of the engine has: their global indexes must be
     0..n-1. A CUDA trainer must set it (it exports its buffers once per
-    worker before any attaches). `device` is where the source's tensors live and picks the plane:
-    CPU -> shared memory, CUDA -> CUDA IPC (default: the current CUDA device
-    when there is one).
+    worker before any attaches). `device` is where the source's tensors live (a
+    string, a `torch.device` or a CUDA index) and picks the plane: CPU ->
+    shared memory, CUDA -> CUDA IPC (default: the current CUDA device when
+    there is one).
     """
 
     backend: ClassVar[str] = "ipc"
     packed_buffer_size_bytes: int = DEFAULT_IPC_BUFFER_BYTES
     num_workers: int | None = field(default=None, kw_only=True)
     timeout_s: float = field(default=300.0, kw_only=True)
-    device: str | None = field(default=None, kw_only=True)
+    device: str | torch.device | int | None = field(default=None, kw_only=True)
     replace_trainer: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         what = type(self).__name__
         check_timeout(self.timeout_s, field="timeout_s", what=what)
+        self.device = device_name(self.device, what=what)
         if self.num_workers is not None:
             check_int_range(
                 self.num_workers, field="num_workers", what=what, low=1, high=MAX_WORKERS
@@ -125,7 +127,7 @@ class IPCTrainerInitInfo(WireParams, TrainerInitInfo):
             digest_room(self, what)
 
     def resolved_device(self) -> torch.device:
-        return trainer_device(self.device)
+        return trainer_device(cast("str | None", self.device))  # a string since __post_init__
 
 
 class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):

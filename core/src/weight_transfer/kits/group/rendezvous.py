@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -26,7 +26,7 @@ from weight_transfer.kits.group.auth import check_secret, new_secret
 from weight_transfer.kits.group.stateless import Hosting, StatelessGroup
 from weight_transfer.payload import WireProtocolInfo
 from weight_transfer.position import WorkerPosition
-from weight_transfer.runtime.devices import trainer_device
+from weight_transfer.runtime.devices import device_name, trainer_device
 from weight_transfer.runtime.limits import check_int_range, check_timeout
 from weight_transfer.runtime.round_client import fleet_of
 from weight_transfer.runtime.waiting import in_background, wait_for
@@ -42,9 +42,10 @@ class GroupTrainerFields:
     """Trainer-side fields of a group backend, mixed into its `TrainerInitInfo`.
 
     `world_size` is 1 + the number of inference workers (every TP/PP rank of
-    every replica). `device` is where the source's tensors live: `"cpu"`
-    travels over gloo, `"cuda"` over NCCL; by default the current CUDA device
-    when there is one. `timeout_s` bounds the rendezvous and every wait.
+    every replica). `device` is where the source's tensors live (a string, a
+    `torch.device` or a CUDA index; kept as a string): `"cpu"` travels over
+    gloo, `"cuda"` over NCCL; by default the current CUDA device when there is
+    one. `timeout_s` bounds the rendezvous and every wait.
     An engine serves one trainer at a time: `replace_trainer=True` takes it
     over from a live one (whose next round then fails naming the new holder).
     """
@@ -53,11 +54,12 @@ class GroupTrainerFields:
     master_port: int
     world_size: int
     timeout_s: float = field(default=300.0, kw_only=True)
-    device: str | None = field(default=None, kw_only=True)
+    device: str | torch.device | int | None = field(default=None, kw_only=True)
     replace_trainer: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, field="timeout_s", what=type(self).__name__)
+        self.device = device_name(self.device, what=type(self).__name__)
         if not 0 < self.master_port < 65536:
             raise ValueError(
                 f"{type(self).__name__}: field 'master_port' is not a TCP port: {self.master_port}"
@@ -69,7 +71,7 @@ class GroupTrainerFields:
             )
 
     def resolved_device(self) -> torch.device:
-        return trainer_device(self.device)
+        return trainer_device(cast("str | None", self.device))  # a string since __post_init__
 
     def worker_group_fields(self, trainer_id: str, secret: str | None = None) -> dict[str, Any]:
         """The matching `GroupInitInfo` fields for the workers (rank offset 1).
