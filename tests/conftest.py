@@ -3,7 +3,8 @@
 Tests that share something expensive run in one worker process, each group as
 a unit: `vllm` (the in-process engines and the live HTTP servers that
 `tests/vllm` shares) and `ray` (the tests that start a local Ray cluster). Every
-other test goes to whichever worker is free. Without xdist the marks do nothing.
+other test, and every extended check, goes to whichever worker is free. Without
+xdist the marks do nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def _group(path: Path) -> str | None:
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """Mark each item as it is collected, before xdist reads the marks into its groups."""
+    """Mark each item as it is collected, before xdist reads the marks into its groups.
+    The extended checks share no engine (each starts what it runs), so they are left
+    to whichever worker is free."""
     group = _group(item.path)
-    if group is not None:
+    if group is not None and item.get_closest_marker("extended") is None:
         item.add_marker(pytest.mark.xdist_group(group))
