@@ -49,6 +49,14 @@ CONTRACT = {
 }
 # Above: entry points, and the packages loaded only by their host or their test runner.
 UPPER_PACKAGES = ("weight_transfer.vllm", "weight_transfer.testing")
+# What a backend (a plugin, the example) may import of wt-core: the contract and the kits;
+# its conformance profile (`<backend>.conformance`) also the conformance suite's profile.
+BACKEND_SURFACE = ("weight_transfer.backend", "weight_transfer.kits")
+BACKEND_TEST_SEAMS = ("weight_transfer.testing.profile",)
+BACKENDS = [
+    *sorted((ROOT / "plugins").glob("*/src/wt_*")),
+    ROOT / "examples/wt-example/src/wt_example",
+]
 
 
 def _modules() -> dict[str, Path]:
@@ -152,3 +160,21 @@ def test_the_core_is_the_contract_and_its_runtime() -> None:
     assert core - runtime == CONTRACT
     lines = sum(len(MODULES[m].read_text().splitlines()) for m in CONTRACT)
     assert len(CONTRACT) <= 8 and lines <= 1900, (len(CONTRACT), lines)
+
+
+BACKEND_MODULES = sorted(
+    name for name, path in MODULES.items() if any(path.is_relative_to(b) for b in BACKENDS)
+)
+
+
+@pytest.mark.parametrize("module", BACKEND_MODULES)
+def test_a_backend_imports_only_the_contract_and_the_kits(module: str) -> None:
+    """One authoring surface: no backend reaches into wt-core's runtime, its vLLM
+    bridge or any other module outside `weight_transfer.backend` and the kits."""
+    allowed = BACKEND_SURFACE + (BACKEND_TEST_SEAMS if module.endswith(".conformance") else ())
+    outside = sorted(
+        t
+        for t in GRAPH[module]
+        if t.startswith("weight_transfer") and not any(_within(t, a) for a in allowed)
+    )
+    assert outside == [], f"{module} imports wt-core's {outside}"

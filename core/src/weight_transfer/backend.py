@@ -1,34 +1,38 @@
-"""The contract a backend distribution builds on, in one place (25 names).
+"""The contract a backend distribution builds on, in one place.
 
 A backend is two engines: a trainer engine (its transmit step) and a worker
 engine (its receive step). Core owns the rest: the round on both sides, the
 transaction around the model, one trainer per engine, re-admission, the
-control protocol; `weight_transfer.runtime` keeps all of that and needs no
-reading to write a backend. The names below come from the seven contract
-modules (`base`, `source`, `rounds`, `resync`, `loading`, `payload`,
-`position`). Optional helpers (groups, bucketed streaming, colocated shared
-memory, slices) are kits: `weight_transfer.kits.*`; a few small runtime
-helpers may be used too (`runtime.waiting`, `runtime.limits`).
+control protocol; `weight_transfer.runtime` keeps all of that, is private to
+wt-core, and needs no reading to write a backend. A backend imports from this
+module and from the kits (`weight_transfer.kits.*`: groups, bucketed
+streaming, colocated shared memory, slices, bounded waits), nothing else of
+wt-core (`tests/core/test_layers.py` holds every first-party backend to it).
 
 Trainer side
     `TrainerWeightTransferEngine` (the spec's ABC; `open_round` drives a
     round), `ResyncTrainerEngine` (full resync: supply `transmit`),
     `TrainerInitInfo`, `TrainerRound` and `Transfer` (a round's state and its
     workers' futures), `AlignedFailure` (both sides stopped at the same
-    point), `VLLMWeightSyncClient`, `WeightSource` / `ParamMeta` /
-    `checked_iteration` (a source iterated against its own metadata).
+    point), `VLLMWeightSyncClient`, `fleet_of` (the replicas behind a client),
+    `WeightSource` / `ParamMeta` / `Replicate` / `Shard` / `checked_iteration`
+    (a source iterated against its own metadata), `layerwise_groups` /
+    `layer_key` (parameters by layer), `trainer_device` / `device_name`.
 
 Worker side
     `WeightTransferEngine` (the transaction lives in its base class),
     `WeightTransferInitInfo`, `WeightTransferUpdateInfo`,
-    `ParamListUpdateInfo` / `param_list_payload` (the per-round parameter
-    list), `WorkerPosition`, `loader_for` / `DirectLoader` / `Revertible`
-    (the loader protocol).
+    `ParamListUpdateInfo` / `param_list_payload` / `param_list_digests` /
+    `PARAM_LIST_FIELDS` (the per-round parameter list), `WorkerPosition`,
+    `is_vllm_config`, `loader_for` / `DirectLoader` / `Revertible` (the loader
+    protocol), `ChannelDownError` (this side has no link to its trainer).
 
-Payloads
+Payloads and limits
     `parse_payload` / `payload_of` (dataclass <-> JSON-safe dict, errors name
-    the field), `dtype_name` / `dtype_from_name`, `WireProtocolInfo` (the
-    wire version both ends declare), `check_timeout`.
+    the field), `dtype_name` / `dtype_from_name` / `WIRE_DTYPES`,
+    `WireProtocolInfo` (the wire version both ends declare), `check_timeout`,
+    `check_int_range`, `check_declared`, `host_memory_bytes` (bounds checked
+    before anything is allocated).
 """
 
 from __future__ import annotations
@@ -43,18 +47,41 @@ from weight_transfer.base import (
 )
 from weight_transfer.loading import Revertible, loader_for
 from weight_transfer.payload import (
+    WIRE_DTYPES,
     WireProtocolInfo,
     dtype_from_name,
     dtype_name,
     parse_payload,
     payload_of,
 )
-from weight_transfer.position import WorkerPosition
-from weight_transfer.resync import ParamListUpdateInfo, ResyncTrainerEngine, param_list_payload
+from weight_transfer.position import WorkerPosition, is_vllm_config
+from weight_transfer.resync import (
+    PARAM_LIST_FIELDS,
+    ParamListUpdateInfo,
+    ResyncTrainerEngine,
+    param_list_digests,
+    param_list_payload,
+)
 from weight_transfer.rounds import AlignedFailure, TrainerRound, Transfer
+from weight_transfer.runtime.control import ChannelDownError
+from weight_transfer.runtime.devices import device_name, trainer_device
 from weight_transfer.runtime.direct_loader import DirectLoader
-from weight_transfer.runtime.limits import check_timeout
-from weight_transfer.source import ParamMeta, WeightSource, checked_iteration
+from weight_transfer.runtime.limits import (
+    check_declared,
+    check_int_range,
+    check_timeout,
+    host_memory_bytes,
+)
+from weight_transfer.runtime.round_client import fleet_of
+from weight_transfer.source import (
+    ParamMeta,
+    Replicate,
+    Shard,
+    WeightSource,
+    checked_iteration,
+    layer_key,
+    layerwise_groups,
+)
 
 __all__ = [
     # trainer side
@@ -65,24 +92,39 @@ __all__ = [
     "Transfer",
     "AlignedFailure",
     "VLLMWeightSyncClient",
+    "fleet_of",
     "WeightSource",
     "ParamMeta",
+    "Replicate",
+    "Shard",
     "checked_iteration",
+    "layerwise_groups",
+    "layer_key",
+    "trainer_device",
+    "device_name",
     # worker side
     "WeightTransferEngine",
     "WeightTransferInitInfo",
     "WeightTransferUpdateInfo",
     "ParamListUpdateInfo",
     "param_list_payload",
+    "param_list_digests",
+    "PARAM_LIST_FIELDS",
     "WorkerPosition",
+    "is_vllm_config",
     "loader_for",
     "DirectLoader",
     "Revertible",
-    # payloads
+    "ChannelDownError",
+    # payloads and limits
     "parse_payload",
     "payload_of",
     "dtype_name",
     "dtype_from_name",
+    "WIRE_DTYPES",
     "WireProtocolInfo",
     "check_timeout",
+    "check_int_range",
+    "check_declared",
+    "host_memory_bytes",
 ]

@@ -7,10 +7,11 @@ they work the same inside vLLM (a `VllmConfig`), embedded in another worker (a
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["WorkerPosition", "worker_position"]
+__all__ = ["WorkerPosition", "worker_position", "is_vllm_config"]
 
 
 @dataclass(frozen=True)
@@ -63,3 +64,11 @@ def worker_position(vllm_config: Any) -> WorkerPosition:
         data_parallel_index=int(dp_index),
         data_parallel_size=int(getattr(pc, "data_parallel_size", 1)),
     )
+
+
+def is_vllm_config(vllm_config: Any) -> bool:
+    """Whether `vllm_config` is a `vllm.config.VllmConfig`: the worker runs inside vLLM
+    (never imports vllm)."""
+    config_module = sys.modules.get("vllm.config")
+    vllm_config_cls = getattr(config_module, "VllmConfig", None)
+    return vllm_config_cls is not None and isinstance(vllm_config, vllm_config_cls)

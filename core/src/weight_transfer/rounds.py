@@ -111,6 +111,11 @@ class TrainerRound:
         self.timeout_s = timeout_s
         self.closed = False
 
+    @classmethod
+    def unreported(cls, client: RoundClient, backend: str, timeout_s: float) -> TrainerRound:
+        """A round the caller opened through the client itself: its steps, no hooks."""
+        return cls(client, SyncTracker(backend, 0, 0, 0, 0, enabled=False), timeout_s)
+
     def _guard(self, step: Callable[[], T], *, finishing: bool = False) -> T:
         if self.closed:
             raise RuntimeError("this round has ended; open a new one")

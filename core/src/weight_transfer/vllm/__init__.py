@@ -21,16 +21,8 @@ Importing this package imports nothing from vLLM.
 
 from __future__ import annotations
 
-import sys
-from typing import Any
+from weight_transfer.position import is_vllm_config
 
 __all__ = ["BACKEND_PREFIX", "is_vllm_config"]
 
 BACKEND_PREFIX = "wt_"
-
-
-def is_vllm_config(vllm_config: Any) -> bool:
-    """Whether `vllm_config` is a `vllm.config.VllmConfig` (never imports vllm)."""
-    config_module = sys.modules.get("vllm.config")
-    vllm_config_cls = getattr(config_module, "VllmConfig", None)
-    return vllm_config_cls is not None and isinstance(vllm_config, vllm_config_cls)

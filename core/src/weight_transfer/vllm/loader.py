@@ -152,6 +152,9 @@ class VLLMLoader:
         self._named: dict[str, torch.nn.Module] = {}
         self._experts: PrepackedExperts | None = None  # fused-MoE layers reloaded apart
         self._open = False
+        # A round that reloads some layers on purpose (sparse patches): vLLM's warning
+        # for the layers it loaded nothing into is dropped for every layer.
+        self.partial = False
 
     @property
     def active(self) -> bool:
@@ -346,7 +349,7 @@ class VLLMLoader:
             try:
                 with (
                     self._load_context(),
-                    quiet_reload_warnings(self._derived_only()),
+                    quiet_reload_warnings(None if self.partial else self._derived_only()),
                     timed("load"),
                 ):
                     finalize_layerwise_reload(self.model, self.model_config)

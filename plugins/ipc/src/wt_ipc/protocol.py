@@ -55,6 +55,7 @@ from weight_transfer.backend import (
     ParamMeta,
     WeightTransferInitInfo,
     WireProtocolInfo,
+    check_int_range,
     check_timeout,
 )
 from weight_transfer.kits.colocated import RELEASED
@@ -65,7 +66,6 @@ from weight_transfer.kits.stream import (
     plan_buckets,
     plan_per_tensor,
 )
-from weight_transfer.runtime.limits import check_int_range
 
 __all__ = [
     "IPCWorkerInitInfo",

@@ -45,9 +45,13 @@ from weight_transfer.backend import (
     Transfer,
     VLLMWeightSyncClient,
     WeightSource,
+    check_int_range,
     check_timeout,
+    device_name,
+    param_list_digests,
     param_list_payload,
     payload_of,
+    trainer_device,
 )
 from weight_transfer.kits.channel import GroupChannel
 from weight_transfer.kits.colocated import Credits, Frame, LinkClosed, LocalLink, LocalListener
@@ -59,10 +63,7 @@ from weight_transfer.kits.stream import (
     SendWindow,
     WireParams,
 )
-from weight_transfer.resync import param_list_digests
-from weight_transfer.runtime.devices import device_name, trainer_device
-from weight_transfer.runtime.limits import check_int_range
-from weight_transfer.runtime.waiting import PEER_GRACE_S, in_background
+from weight_transfer.kits.waits import PEER_GRACE_S, in_background
 from wt_ipc.planes import TrainerStaging
 from wt_ipc.protocol import (
     ABORT,

@@ -34,12 +34,16 @@ from typing import Any
 
 import torch
 
-from weight_transfer.backend import AlignedFailure, WeightTransferEngine
+from weight_transfer.backend import (
+    PARAM_LIST_FIELDS,
+    AlignedFailure,
+    WeightTransferEngine,
+    check_declared,
+    param_list_digests,
+)
 from weight_transfer.kits.channel import GroupChannel
 from weight_transfer.kits.colocated import RELEASED, Frame, LinkClosed, LocalLink, connect_local
 from weight_transfer.kits.stream import BucketPlan, LoadFailed, LoadPipeline, Unpacker, WireParams
-from weight_transfer.resync import PARAM_LIST_FIELDS, param_list_digests
-from weight_transfer.runtime.limits import check_declared
 from wt_ipc.planes import WorkerStaging
 from wt_ipc.protocol import (
     ABORT,

@@ -32,10 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_transfer.backend import ParamListUpdateInfo, ParamMeta
+from weight_transfer.backend import PARAM_LIST_FIELDS, ParamListUpdateInfo, ParamMeta
 from weight_transfer.kits.group import GroupInitInfo
 from weight_transfer.kits.stream import Bucket, BucketPlan, Piece, WireParams
-from weight_transfer.resync import PARAM_LIST_FIELDS
 
 __all__ = [
     "NCCLWorkerInitInfo",

@@ -29,6 +29,7 @@ from weight_transfer.backend import (
     Transfer,
     VLLMWeightSyncClient,
     WeightSource,
+    param_list_digests,
     param_list_payload,
     payload_of,
 )
@@ -42,8 +43,7 @@ from weight_transfer.kits.stream import (
     SendWindow,
     as_bytes,
 )
-from weight_transfer.resync import param_list_digests
-from weight_transfer.runtime.waiting import work_future
+from weight_transfer.kits.waits import work_future
 from wt_nccl.protocol import (
     HEADER_ABORT,
     HEADER_OK,

@@ -29,7 +29,13 @@ from typing import Any
 
 import torch
 
-from weight_transfer.backend import AlignedFailure, WeightTransferEngine
+from weight_transfer.backend import (
+    AlignedFailure,
+    WeightTransferEngine,
+    check_declared,
+    host_memory_bytes,
+    param_list_digests,
+)
 from weight_transfer.kits.channel import GroupChannel
 from weight_transfer.kits.group import StatelessGroup, join_group
 from weight_transfer.kits.stream import (
@@ -39,8 +45,6 @@ from weight_transfer.kits.stream import (
     RotatingBuffers,
     Unpacker,
 )
-from weight_transfer.resync import param_list_digests
-from weight_transfer.runtime.limits import check_declared, host_memory_bytes
 from wt_nccl.protocol import (
     HEADER_LEN,
     HEADER_OK,

@@ -51,6 +51,7 @@ from weight_transfer.backend import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
     WireProtocolInfo,
+    check_int_range,
     check_timeout,
     dtype_from_name,
     dtype_name,
@@ -64,7 +65,6 @@ from weight_transfer.kits.stream import (
     Piece,
     aligned_layout,
 )
-from weight_transfer.runtime.limits import check_int_range
 from wt_sharded_rdt.shards import decode_layout, encode_layout, shard_pieces
 
 __all__ = [

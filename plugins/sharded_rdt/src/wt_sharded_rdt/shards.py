@@ -23,11 +23,18 @@ from typing import Any
 
 import torch
 
-from weight_transfer.backend import ParamMeta
-from weight_transfer.kits.slices import Scatter, apply_chain, describe_chain
-from weight_transfer.runtime.slices import Chain, Op, storage_id
-from weight_transfer.runtime.sources import Box, shard_boxes, unravel
-from weight_transfer.source import Replicate, Shard
+from weight_transfer.backend import ParamMeta, Replicate, Shard
+from weight_transfer.kits.slices import (
+    Box,
+    Chain,
+    Op,
+    Scatter,
+    apply_chain,
+    describe_chain,
+    shard_boxes,
+    storage_id,
+    unravel,
+)
 
 __all__ = [
     "SliceBox",

@@ -42,18 +42,17 @@ from weight_transfer.backend import (
     Transfer,
     VLLMWeightSyncClient,
     WeightSource,
+    check_int_range,
     check_timeout,
+    fleet_of,
+    layerwise_groups,
+    param_list_digests,
     param_list_payload,
     payload_of,
 )
-from weight_transfer.kits.stream import aligned_layout
-from weight_transfer.resync import param_list_digests
-from weight_transfer.runtime.finite import first_non_finite
-from weight_transfer.runtime.limits import check_int_range
-from weight_transfer.runtime.round_client import fleet_of
-from weight_transfer.runtime.sources import local_box
-from weight_transfer.runtime.waiting import PEER_GRACE_S, in_background, wait_for
-from weight_transfer.source import layerwise_groups
+from weight_transfer.kits.slices import local_box
+from weight_transfer.kits.stream import aligned_layout, first_non_finite
+from weight_transfer.kits.waits import PEER_GRACE_S, in_background, wait_for
 from wt_sharded_rdt.links import host_producer, producer_client, ray_location
 from wt_sharded_rdt.producer import ProducerError
 from wt_sharded_rdt.protocol import (

@@ -53,11 +53,15 @@ from typing import Any
 
 import torch
 
-from weight_transfer.backend import ParamMeta, WeightTransferEngine
+from weight_transfer.backend import (
+    PARAM_LIST_FIELDS,
+    ParamMeta,
+    WeightTransferEngine,
+    param_list_digests,
+)
 from weight_transfer.kits.channel import GroupChannel
 from weight_transfer.kits.slices import SliceLoader, SliceRecord, describe_chain, record_slices
 from weight_transfer.kits.stream import BucketDigests, DigestMismatch, run_receive_hooks
-from weight_transfer.resync import PARAM_LIST_FIELDS, param_list_digests
 from wt_sharded_rdt.links import producer_client
 from wt_sharded_rdt.protocol import (
     Chunk,

@@ -35,6 +35,7 @@ import torch
 
 from weight_transfer.backend import (
     AlignedFailure,
+    ChannelDownError,
     TrainerInitInfo,
     TrainerRound,
     TrainerWeightTransferEngine,
@@ -46,9 +47,7 @@ from weight_transfer.backend import (
 from weight_transfer.kits.channel import GroupChannel
 from weight_transfer.kits.group import GroupTrainerFields, StatelessGroup, trainer_rendezvous
 from weight_transfer.kits.stream import BucketDigests
-from weight_transfer.runtime.control import ChannelDownError
-from weight_transfer.runtime.hooks import SyncTracker
-from weight_transfer.runtime.waiting import all_settle, work_future
+from weight_transfer.kits.waits import all_settle, work_future
 from wt_sparse_nccl.patch import SparseWeightPatch, check_patches
 from wt_sparse_nccl.wire import (
     BatchHeader,
@@ -199,8 +198,7 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
         batch = self._prepare(list(patches))
         current = self._round
         if current is None:
-            untracked = SyncTracker(BACKEND, 0, 0, 0, 0, enabled=False)
-            current = TrainerRound(self.client, untracked, self.timeout_s)
+            current = TrainerRound.unreported(self.client, BACKEND, self.timeout_s)
         else:
             current.tracker.num_params += batch.num_patches
             current.tracker.total_bytes += batch.nbytes

@@ -38,8 +38,9 @@ so each layer's names are contiguous: one group per numbered layer (all of
 `model.layers.3.*`) and one group for every name outside numbered layers
 (embeddings, final norm, `lm_head`). Reloading whole groups gives every vLLM
 module of a touched layer all of its checkpoint tensors, so fused modules are
-complete; modules of untouched layers keep their tensors (vLLM's "Failed to
-load weights" warning for them is silenced during the reload).
+complete; modules of untouched layers keep their tensors (the loader is told
+the round is `partial`, so vLLM's "Failed to load weights" warning for them is
+dropped).
 
 Costs per worker: memory, the touched groups in checkpoint dtype on the host
 (up to one checkpoint-format copy of the model; every tensor-parallel rank
@@ -70,10 +71,13 @@ from typing import Any
 
 import torch
 
-from weight_transfer.backend import Revertible, loader_for
-from weight_transfer.source import layer_key, layerwise_groups
-from weight_transfer.vllm import is_vllm_config
-from weight_transfer.vllm.loader import quiet_reload_warnings
+from weight_transfer.backend import (
+    Revertible,
+    is_vllm_config,
+    layer_key,
+    layerwise_groups,
+    loader_for,
+)
 from wt_sparse_nccl.patch import check_dtype
 
 __all__ = ["CheckpointMirror", "MirrorPatcher", "vllm_patcher"]
@@ -403,17 +407,17 @@ class MirrorPatcher:
                 "committed reload, so this round cannot be held for a fleet"
             )
         kept: Revertible | None = None
+        loader.partial = True  # type: ignore[attr-defined]  # untouched layers: on purpose
         loader.begin()
         try:
             for index in groups:
                 loader.load([(name, t.clone()) for name, t in mirror.group(index)])
-            with quiet_reload_warnings():  # untouched layers: reloaded on purpose
-                if keep_undo:
-                    assert isinstance(loader, Revertible)
-                    loader.commit(keep_undo=True)
-                    kept = loader
-                else:
-                    loader.commit()
+            if keep_undo:
+                assert isinstance(loader, Revertible)
+                loader.commit(keep_undo=True)
+                kept = loader
+            else:
+                loader.commit()
         except BaseException:
             loader.abort()
             raise

@@ -42,10 +42,15 @@ from typing import Literal
 
 import torch
 
-from weight_transfer.backend import ParamMeta, WeightTransferUpdateInfo, dtype_from_name, dtype_name
+from weight_transfer.backend import (
+    WIRE_DTYPES,
+    ParamMeta,
+    WeightTransferUpdateInfo,
+    dtype_from_name,
+    dtype_name,
+)
 from weight_transfer.kits.group import GroupInitInfo
 from weight_transfer.kits.stream import Bucket, BucketPlan, Piece, aligned_layout, as_bytes
-from weight_transfer.payload import WIRE_DTYPES
 from wt_sparse_nccl.patch import INDEX_DTYPES, SparseWeightPatch
 
 __all__ = [

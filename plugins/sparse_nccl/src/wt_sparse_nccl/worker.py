@@ -45,12 +45,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from weight_transfer.backend import WeightTransferEngine
+from weight_transfer.backend import WeightTransferEngine, host_memory_bytes, is_vllm_config
 from weight_transfer.kits.channel import GroupChannel
 from weight_transfer.kits.group import StatelessGroup, join_group
 from weight_transfer.kits.stream import DIGEST_DTYPE, RECEIVE_HOOKS, BucketDigests, DigestMismatch
-from weight_transfer.runtime.limits import host_memory_bytes
-from weight_transfer.vllm import is_vllm_config
 from wt_sparse_nccl.patch import SparseWeightPatch, check_dtype, check_indices_of
 from wt_sparse_nccl.wire import (
     HEADER_WORDS,

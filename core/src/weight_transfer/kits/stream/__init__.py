@@ -4,7 +4,8 @@ Trainer: `plan_buckets` (or `aligned_layout`, which adds the wire version's
 alignment) over the round's `ParamMeta`s; `Packer` fills `RotatingBuffers`
 inside a `SendWindow`. Worker: the same plan, `LoadPipeline` receiving into
 rotating buffers while `Unpacker` loads the previous bucket. `BucketDigests`
-checks each piece on the bytes' own device.
+checks each piece on the bytes' own device; `first_non_finite` finds a NaN or
+an infinity in a batch of tensors with one host read.
 """
 
 from weight_transfer.kits.stream.digests import (
@@ -31,6 +32,7 @@ from weight_transfer.kits.stream.packing import (
     plan_per_tensor,
 )
 from weight_transfer.kits.stream.window import LoadFailed, LoadPipeline, SendWindow
+from weight_transfer.runtime.finite import first_non_finite
 
 __all__ = [
     "DIGEST_DTYPE",
@@ -52,6 +54,7 @@ __all__ = [
     "aligned_layout",
     "as_bytes",
     "digest",
+    "first_non_finite",
     "plan_buckets",
     "plan_per_tensor",
     "run_receive_hooks",
