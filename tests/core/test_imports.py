@@ -70,12 +70,12 @@ def test_core_imports_no_plugin_and_holds_no_application() -> None:
 
 
 def test_backend_module_is_the_contract() -> None:
-    """`weight_transfer.backend` is the contract (<= 40 names: what the first-party
+    """`weight_transfer.backend` is the contract (<= 45 names: what the first-party
     backends use of wt-core besides the kits); backends import nothing above it."""
     from tests.core.test_layers import ENTRY_POINTS
     from weight_transfer import backend
 
-    assert len(backend.__all__) <= 40, backend.__all__
+    assert len(backend.__all__) <= 45, backend.__all__
     for name in backend.__all__:
         assert getattr(backend, name) is not None, name
     spec = {"WeightSource", "VLLMWeightSyncClient", "TrainerWeightTransferEngine"}

@@ -154,12 +154,12 @@ def test_no_upward_import(module: str) -> None:
 
 def test_the_core_is_the_contract_and_its_runtime() -> None:
     """Every core module is either the contract a backend author reads (small: at
-    most 8 modules and 1,900 lines) or the runtime that keeps it."""
+    most 8 modules and 2,000 lines) or the runtime that keeps it."""
     core = {m for m in MODULES if m.startswith("weight_transfer") and _layer(m) == 0}
     runtime = {m for m in core if _within(m, "weight_transfer.runtime")}
     assert core - runtime == CONTRACT
     lines = sum(len(MODULES[m].read_text().splitlines()) for m in CONTRACT)
-    assert len(CONTRACT) <= 8 and lines <= 1900, (len(CONTRACT), lines)
+    assert len(CONTRACT) <= 8 and lines <= 2000, (len(CONTRACT), lines)
 
 
 BACKEND_MODULES = sorted(

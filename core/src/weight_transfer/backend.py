@@ -33,9 +33,16 @@ Payloads and limits
     `WireProtocolInfo` (the wire version both ends declare), `check_timeout`,
     `check_int_range`, `check_declared`, `host_memory_bytes` (bounds checked
     before anything is allocated).
+
+Packaging
+    `lazy_exports` (a backend package's names, imported on first use).
 """
 
 from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from weight_transfer.base import (
     TrainerInitInfo,
@@ -127,4 +134,24 @@ __all__ = [
     "check_int_range",
     "check_declared",
     "host_memory_bytes",
+    # packaging
+    "lazy_exports",
 ]
+
+
+def lazy_exports(
+    homes: Mapping[str, str], aliases: Mapping[str, str] | None = None
+) -> Callable[[str], Any]:
+    """A package's module `__getattr__` for `homes` (name -> the module defining
+    it), imported only when the name is first used, and `aliases` (another
+    name -> one of `homes`: vLLM's class names, for ported code)."""
+    aliases = dict(aliases or {})
+
+    def __getattr__(name: str) -> Any:
+        name = aliases.get(name, name)
+        home = homes.get(name)
+        if home is None:
+            raise AttributeError(name)
+        return getattr(importlib.import_module(home), name)
+
+    return __getattr__

@@ -171,11 +171,22 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
         self,
         *,
         client: VLLMWeightSyncClient,
-        source: WeightSource | None,
-        is_sender: bool = True,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        source: WeightSource | None = None,
+        is_sender: bool | None = None,
+        timeout_s: float | None = None,
         rank: int | None = None,
+        info: TTrainerInitInfo | None = None,
     ) -> None:
+        """`info`, when given, is kept as `self.info` and supplies what it holds:
+        `rank` (and with it `is_sender`) and `timeout_s`; the other arguments
+        default to a sender of rank 0 and `DEFAULT_TIMEOUT_S`."""
+        self.info = info
+        if info is not None:
+            rank = info.rank if rank is None else rank
+            is_sender = info.is_sender if is_sender is None else is_sender
+            timeout_s = getattr(info, "timeout_s", None) if timeout_s is None else timeout_s
+        is_sender = True if is_sender is None else is_sender
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
         self.trainer_id = new_trainer_id()
         self.client = (
             client
@@ -218,7 +229,9 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
     @property
     def can_reconnect(self) -> bool:
         """Whether this backend re-admits workers at a round boundary (`reconnect`)."""
-        return type(self).reconnect is not TrainerWeightTransferEngine.reconnect
+        engine = TrainerWeightTransferEngine
+        own = type(self)
+        return own.reconnect is not engine.reconnect or own.connect is not engine.connect
 
     def reconnect(self) -> None:
         """Run the init handshake again with every worker, between rounds.
@@ -226,13 +239,16 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
         Core calls it when a worker has no channel (a replica restarted, a
         group torn down by a failed round): `open_round` when a start is
         refused that way, `ResyncTrainerEngine` when the trainer's own side is
-        down. Every other replica keeps serving meanwhile. A backend that can
-        re-admit overrides it; the default cannot.
+        down. Every other replica keeps serving meanwhile. By default it runs
+        `connect()` again; a backend with no `connect` cannot re-admit.
         """
-        raise NotImplementedError(f"{self.backend} cannot re-admit workers; run trainer_init again")
+        if type(self).connect is TrainerWeightTransferEngine.connect:
+            raise NotImplementedError(
+                f"{self.backend} cannot re-admit workers; run trainer_init again"
+            )
+        self.connect()
 
     @classmethod
-    @abstractmethod
     def trainer_init(
         cls,
         init_info: TTrainerInitInfo,
@@ -240,7 +256,19 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
         client: VLLMWeightSyncClient,
         source: WeightSource | None = None,
     ) -> TrainerWeightTransferEngine[TTrainerInitInfo]:
-        """Rendezvous with the inference side and return a ready engine."""
+        """Rendezvous with the inference side and return a ready engine.
+
+        By default: `cls(info=init_info, client=client, source=source)` on every
+        rank, then `connect()` on the sender."""
+        engine = cls(info=init_info, client=client, source=source)
+        if engine.is_sender:
+            engine.connect()
+        return engine
+
+    def connect(self) -> None:
+        """The handshake with every worker, on the sender: run by the default
+        `trainer_init`, and again by the default `reconnect` (so it first lets go
+        of a channel it made before). The default has none."""
 
     @abstractmethod
     def send_weights(self, *args: Any, **kwargs: Any) -> None:

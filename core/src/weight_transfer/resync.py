@@ -51,7 +51,6 @@ from weight_transfer.base import (
 from weight_transfer.payload import dtype_from_name, dtype_name
 from weight_transfer.rounds import TrainerRound, Transfer
 from weight_transfer.runtime.control import ChannelDownError
-from weight_transfer.runtime.round_client import DEFAULT_TIMEOUT_S
 from weight_transfer.runtime.sources import source_view
 from weight_transfer.source import ParamMeta, WeightSource, checked_iteration
 
@@ -174,11 +173,20 @@ class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):
         self,
         *,
         client: VLLMWeightSyncClient,
-        source: WeightSource | None,
-        is_sender: bool = True,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        source: WeightSource | None = None,
+        is_sender: bool | None = None,
+        timeout_s: float | None = None,
+        rank: int | None = None,
+        info: TInfo | None = None,
     ) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender, timeout_s=timeout_s)
+        super().__init__(
+            client=client,
+            source=source,
+            is_sender=is_sender,
+            timeout_s=timeout_s,
+            rank=rank,
+            info=info,
+        )
         self.check_finite = True
         self._own_source = source  # as given: what its rounds ask for an adapter
         self._chunked: TrainerRound | None = None  # the round `begin()` opened

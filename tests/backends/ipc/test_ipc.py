@@ -266,7 +266,9 @@ def test_a_hundred_syncs_leave_dev_shm_and_descriptors_as_they_were(pool: Worker
         engine.send_weights()
     assert_received(pool, tensors)
     gc.collect()
-    assert len(os.listdir("/proc/self/fd")) <= fds_after_first
+    # a leak of one per sync would be 99; other tests' threads in this process may hold
+    # a few for a moment
+    assert len(os.listdir("/proc/self/fd")) - fds_after_first < 10
     assert our_segments() == shm_before
     engine.shutdown()
     assert our_segments() == shm_before

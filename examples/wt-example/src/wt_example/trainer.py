@@ -43,31 +43,16 @@ class FileTrainerEngine(ResyncTrainerEngine[FileTrainerInitInfo]):
     def __init__(
         self,
         *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource | None,
-        is_sender: bool,
         info: FileTrainerInitInfo,
-    ) -> None:
-        super().__init__(
-            client=client, source=source, is_sender=is_sender, timeout_s=info.timeout_s
-        )
-        self.info = info
-        self._written: str | None = None
-
-    @classmethod
-    def trainer_init(
-        cls,
-        init_info: FileTrainerInitInfo,
-        *,
         client: VLLMWeightSyncClient,
         source: WeightSource | None = None,
-    ) -> FileTrainerEngine:
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
-        if engine.is_sender:
-            engine.reconnect()
-        return engine
+    ) -> None:
+        super().__init__(info=info, client=client, source=source)
+        self.info: FileTrainerInitInfo = info
+        self._written: str | None = None
+        self._updates = 0  # update infos made: each names the file its transmit writes
 
-    def reconnect(self) -> None:
+    def connect(self) -> None:
         """The handshake (again, for workers that restarted): the directory to read."""
         os.makedirs(self.info.directory, exist_ok=True)
         worker_info = FileInitInfo(directory=self.info.directory, timeout_s=self.info.timeout_s)
@@ -77,7 +62,9 @@ class FileTrainerEngine(ResyncTrainerEngine[FileTrainerInitInfo]):
         return 1
 
     def update_info(self, metas: list[ParamMeta]) -> dict[str, Any]:
-        return {**param_list_payload(metas), "filename": f"round-{self.syncs}.pt"}
+        """The update's file: a name of its own (a round of chunks has several)."""
+        self._updates += 1
+        return {**param_list_payload(metas), "filename": f"update-{self._updates}.pt"}
 
     def transmit(
         self,
@@ -86,7 +73,7 @@ class FileTrainerEngine(ResyncTrainerEngine[FileTrainerInitInfo]):
         transfer: Transfer,
     ) -> None:
         self._remove_written()
-        path = os.path.join(self.info.directory, f"round-{self.syncs}.pt")
+        path = os.path.join(self.info.directory, f"update-{self._updates}.pt")
         try:
             tensors = {meta.name: tensor.detach().cpu() for meta, tensor in pairs}
         except BaseException as error:  # in band: the workers stop waiting for the file

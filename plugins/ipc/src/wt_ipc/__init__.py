@@ -6,7 +6,9 @@ from here; importing this package imports neither engine until it is used.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from weight_transfer.backend import lazy_exports
 
 if TYPE_CHECKING:
     from wt_ipc.protocol import IPCUpdateInfo, IPCWorkerInitInfo
@@ -39,11 +41,4 @@ VLLM_NAMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    name = VLLM_NAMES.get(name, name)
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(name)
-    import importlib
-
-    return getattr(importlib.import_module(home), name)
+__getattr__ = lazy_exports(_HOMES, VLLM_NAMES)

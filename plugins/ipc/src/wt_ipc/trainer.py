@@ -138,15 +138,12 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
     def __init__(
         self,
         *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource | None,
-        is_sender: bool,
         info: IPCTrainerInitInfo,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
     ) -> None:
-        super().__init__(
-            client=client, source=source, is_sender=is_sender, timeout_s=info.timeout_s
-        )
-        self.info = info
+        super().__init__(info=info, client=client, source=source)
+        self.info: IPCTrainerInitInfo = info
         self.wire = info.wire
         self.device = info.resolved_device()
         self.channel: GroupChannel[Credits] = GroupChannel(
@@ -158,19 +155,9 @@ class IPCTrainerEngine(ResyncTrainerEngine[IPCTrainerInitInfo]):
         self.layout_digests: list[int] = []  # the last update info's, sent in its round
         self.plan_for = PlanCache(lambda metas: plan_for(metas, self.wire))
 
-    @classmethod
-    def trainer_init(
-        cls,
-        init_info: IPCTrainerInitInfo,
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource | None = None,
-    ) -> IPCTrainerEngine:
-        """Rank 0: allocate the staging and attach every worker (see the module docstring)."""
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
-        if engine.is_sender:
-            engine._attach_workers(replace=init_info.replace_trainer)
-        return engine
+    def connect(self) -> None:
+        """Allocate the staging and attach every worker (see the module docstring)."""
+        self._attach_workers(replace=self.info.replace_trainer)
 
     def reconnect(self) -> None:
         """Attach every worker again, to a fresh staging (at a round boundary).

@@ -72,15 +72,13 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
     def __init__(
         self,
         *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource | None,
-        is_sender: bool,
         info: NCCLTrainerInitInfo,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
     ) -> None:
-        super().__init__(
-            client=client, source=source, is_sender=is_sender, timeout_s=info.timeout_s
-        )
-        self.info = info
+        info.validate("NCCLTrainerInitInfo")
+        super().__init__(info=info, client=client, source=source)
+        self.info: NCCLTrainerInitInfo = info
         self.wire = info.wire
         self.device = info.resolved_device()
         self.channel: GroupChannel[StatelessGroup] = GroupChannel(
@@ -89,33 +87,15 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
         self._buffers = RotatingBuffers(self.wire.packed_num_buffers, self.device)
         self.plan_for = PlanCache(lambda metas: plan_for(metas, self.wire))
 
-    @classmethod
-    def trainer_init(
-        cls,
-        init_info: NCCLTrainerInitInfo,
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource | None = None,
-    ) -> NCCLTrainerEngine:
-        """Rank 0: rendezvous with every worker (their init runs concurrently)."""
-        init_info.validate("NCCLTrainerInitInfo")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
-        if engine.is_sender:
-            engine.connect()
-        return engine
-
     def connect(self) -> None:
-        """Host the group's rendezvous while every worker joins (their init runs concurrently)."""
+        """Host the group's rendezvous while every worker joins (their init runs
+        concurrently); again, on the same port, to re-admit them."""
         info = self.info
+        self.channel.close("it is being re-formed")  # frees the port for the new group
         payload = payload_of(
             NCCLWorkerInitInfo(**info.worker_group_fields(self.trainer_id), **vars(info.wire))
         )
         self.channel.connect(trainer_rendezvous(self.client, payload, info))
-
-    def reconnect(self) -> None:
-        """Re-form the group with every worker (at a round boundary), on the same port."""
-        self.channel.close("it is being re-formed")
-        self.connect()
 
     def check_ready(self) -> None:
         self.channel.require()

@@ -102,37 +102,22 @@ class SparseNCCLTrainerEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitI
     def __init__(
         self,
         *,
-        client: VLLMWeightSyncClient,
-        is_sender: bool,
         info: SparseNCCLTrainerInitInfo,
-    ) -> None:
-        super().__init__(client=client, source=None, is_sender=is_sender, timeout_s=info.timeout_s)
-        self.info = info
-        self.channel: GroupChannel[StatelessGroup] = GroupChannel(
-            BACKEND, remedy="the next round re-forms it (send_weights or begin)"
-        )
-        self._round: TrainerRound | None = None
-        self._shut_down = False
-
-    @classmethod
-    def trainer_init(
-        cls,
-        init_info: SparseNCCLTrainerInitInfo,
-        *,
         client: VLLMWeightSyncClient,
         source: WeightSource | None = None,
-    ) -> SparseNCCLTrainerEngine:
-        """Rank 0: host the group while the workers join it (their init RPC runs on a
-        side thread; a failure of either raises at once). Other ranks: nothing."""
+    ) -> None:
         if source is not None:
             raise ValueError(
                 "sparse_nccl is a delta backend and takes no WeightSource; "
                 "pass each round's patches to send_weights(patches)"
             )
-        engine = cls(client=client, is_sender=init_info.is_sender, info=init_info)
-        if engine.is_sender:
-            engine.connect()
-        return engine
+        super().__init__(info=info, client=client)
+        self.info: SparseNCCLTrainerInitInfo = info
+        self.channel: GroupChannel[StatelessGroup] = GroupChannel(
+            BACKEND, remedy="the next round re-forms it (send_weights or begin)"
+        )
+        self._round: TrainerRound | None = None
+        self._shut_down = False
 
     def connect(self) -> None:
         """Host the group's rendezvous while every worker joins (their init runs concurrently)."""
