@@ -181,7 +181,7 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
             timeout_s=info.timeout_s,
             rank=info.rank,
         )
-        self.info = info
+        self.info: ShardedRDTTrainerInitInfo = info
         source = self.source
         self.metas = source.metadata()
         for meta in self.metas:
