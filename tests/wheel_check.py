@@ -26,4 +26,9 @@ for factory in (WeightTransferTrainerFactory, WeightTransferEngineFactory):
     for name in expected:
         assert found[name].distribution == f"wt-{name.replace('_', '-')}", found[name]
         factory.get_engine_class(name)
+# `pip install wt-core wt-nccl` gives a working HTTP client: httpx comes with wt-core.
+from weight_transfer import HTTPVLLMWeightSyncClient  # noqa: E402
+
+HTTPVLLMWeightSyncClient("http://127.0.0.1:1").close()
+assert "httpx" in sys.modules
 print(f"wt-core {weight_transfer.__version__}: backends {sorted(expected) or 'none'} as expected")

@@ -184,7 +184,7 @@ def test_a_backend_that_cannot_carry_adapters_refuses_one_on_both_sides(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     session, host = _session(monkeypatch)
-    monkeypatch.setattr(type(session.engine), "supports_adapter_update", False)
+    monkeypatch.setattr(type(session.engine.backend), "supports_adapter_update", False)
     session.start_weight_update()
     with pytest.raises(TypeError, match="EchoEngine cannot take a LoRA adapter round"):
         session.update_weights(TARGET)

@@ -31,6 +31,7 @@ from weight_transfer.payload import (
 from weight_transfer.position import worker_position
 from weight_transfer.runtime.devices import synchronize_device
 from weight_transfer.runtime.direct_loader import DirectLoader
+from weight_transfer.runtime.worker_round import GuardedEngine, guarded
 
 # ------------------------------------------------------------- TrainerInitInfo
 
@@ -76,12 +77,13 @@ def test_is_sender_only_for_rank_zero() -> None:
 # --------------------------------------------------------- the engine base
 
 
-def _engine(vllm_config: Any = None, device: str = "cpu") -> EchoEngine:
-    """An engine a trainer connected to; its `calls` start empty."""
+def _engine(vllm_config: Any = None, device: str = "cpu") -> GuardedEngine:
+    """An engine a trainer connected to, inside core's round; its `calls` start empty."""
     return _connected(EchoEngine(WeightTransferConfig("echo"), vllm_config, device, TinyModel()))
 
 
-def _connected(engine: EchoEngine) -> EchoEngine:
+def _connected(backend: EchoEngine | GuardedEngine) -> GuardedEngine:
+    engine = guarded(backend)
     engine.init_transfer_engine(engine.parse_init_info(_init()))
     engine.calls.clear()
     return engine
@@ -96,8 +98,8 @@ class _WiredEngine(EchoEngine):
     init_info_cls = _WiredInfo
 
 
-def _wired() -> EchoEngine:
-    return _WiredEngine(WeightTransferConfig("echo"), None, "cpu", TinyModel())
+def _wired() -> GuardedEngine:
+    return guarded(_WiredEngine(WeightTransferConfig("echo"), None, "cpu", TinyModel()))
 
 
 def _init(**extra: Any) -> dict[str, Any]:
@@ -357,7 +359,7 @@ def test_a_module_that_cannot_be_loaded_is_refused_at_start() -> None:
 
 def test_a_failing_finish_rolls_back_and_closes_the_round() -> None:
     engine = _engine()
-    engine.fail_finish = True
+    engine.backend.fail_finish = True
     engine.start_weight_update()
     engine.update_weights({"names": ["a"], "values": [5.0]})
     with pytest.raises(RuntimeError, match="finish failed"):
@@ -513,7 +515,7 @@ def test_an_engine_without_a_channel_refuses_a_round_until_connected_and_after_s
     carries `Refusal.NO_CONNECTION`, on which a trainer re-admits the workers."""
     from weight_transfer.runtime.control import Refusal, refused
 
-    engine = EchoEngine(WeightTransferConfig("echo"), None, "cpu", TinyModel())
+    engine = guarded(EchoEngine(WeightTransferConfig("echo"), None, "cpu", TinyModel()))
     with pytest.raises(RuntimeError) as never:
         engine.start_weight_update()
     assert refused(never.value, Refusal.NO_CONNECTION) and not engine.round_open

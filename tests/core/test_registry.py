@@ -149,7 +149,7 @@ def test_resolving_imports_only_that_backends_module(plugin: Plugin) -> None:
     assert WeightTransferEngineFactory.get_engine_class("throwaway") is cls  # cached
 
     engine = _create("throwaway")
-    assert type(engine) is cls
+    assert type(engine.backend) is cls
     assert engine.position == WorkerPosition()
 
     trainer_cls = WeightTransferTrainerFactory.get_engine_class("throwaway")
@@ -249,13 +249,13 @@ def test_lazy_registration_imports_on_first_use_only(make_dist: MakeDist, unique
     assert info.describe() == f"{name} (registered in-process)"
     assert mod not in sys.modules
     engine = _create(name)
-    assert type(engine).__name__ == "LazyEngine" and mod in sys.modules
+    assert type(engine.backend).__name__ == "LazyEngine" and mod in sys.modules
 
 
 def test_direct_class_registration_and_duplicates() -> None:
     WeightTransferEngineFactory.register_engine("echo_direct", EchoEngine)
     assert WeightTransferEngineFactory.get_engine_class("echo_direct") is EchoEngine
-    assert type(_create("echo_direct")) is EchoEngine
+    assert type(_create("echo_direct").backend) is EchoEngine
     assert WeightTransferEngineFactory.available_backends()["echo_direct"].target == (
         "tests.core.helpers:EchoEngine"
     )

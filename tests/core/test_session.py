@@ -31,8 +31,8 @@ def _session(position: WorkerPosition | None = None, draft: Any = None) -> Worke
 
 
 def _engine(s: WorkerSession) -> EchoEngine:
-    assert isinstance(s.engine, EchoEngine)
-    return s.engine
+    assert isinstance(s.engine.backend, EchoEngine)
+    return s.engine.backend
 
 
 def test_a_full_round_and_weight_version() -> None:

@@ -46,7 +46,8 @@ PROBE = textwrap.dedent(
     }
     if "wt_nccl" in F._registry:
         cls = F._registry["wt_nccl"]()
-        out["nccl_class"] = cls.__module__ + ":" + cls.__qualname__
+        backend = cls.backend_cls  # vLLM instantiates core's GuardedEngine around it
+        out["nccl_class"] = backend.__module__ + ":" + backend.__qualname__
     out["imported_after"] = sorted(m for m in MODULES if m in sys.modules)
     print("PROBE" + json.dumps(out))
     """
@@ -85,12 +86,15 @@ def test_plugin_registers_every_wt_engine_lazily() -> None:
 def test_engine_inside_vllm_is_the_wt_engine(served: ServedEngines) -> None:
     engine = served("example_file")
     from weight_transfer import WeightTransferEngine
+    from weight_transfer.runtime.worker_round import GuardedEngine
     from weight_transfer.vllm.loader import VLLMLoader
     from wt_example.worker import FileWorkerEngine
 
-    wt_engine = engine.worker_engine
+    guard = engine.worker_engine
+    assert isinstance(guard, GuardedEngine)  # vLLM runs the backend's engine inside core's round
+    wt_engine = guard.backend
     assert isinstance(wt_engine, FileWorkerEngine)
-    assert isinstance(wt_engine, WeightTransferEngine)
+    assert isinstance(wt_engine, WeightTransferEngine) and wt_engine.round is guard
     assert wt_engine.position.global_index == 0 and wt_engine.position.total_workers == 1
     assert wt_engine.device.type == "cpu"
     assert isinstance(wt_engine.new_loader(), VLLMLoader)

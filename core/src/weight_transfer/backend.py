@@ -10,7 +10,7 @@ streaming, colocated shared memory, slices, bounded waits), nothing else of
 wt-core (`tests/core/test_layers.py` holds every first-party backend to it).
 
 Trainer side
-    `TrainerWeightTransferEngine` (the spec's ABC; `open_round` drives a
+    `TrainerWeightTransferEngine` (the contract's ABC; `open_round` drives a
     round), `ResyncTrainerEngine` (full resync: supply `transmit`),
     `TrainerInitInfo`, `TrainerRound` and `Transfer` (a round's state and its
     workers' futures), `AlignedFailure` (both sides stopped at the same

@@ -32,21 +32,14 @@ from weight_transfer.rounds import TrainerRound
 from weight_transfer.runtime.adapters import adapter_of
 from weight_transfer.runtime.control import (
     ABORT_FIELD,
-    ChannelDownError,
+    ModelIncompleteError,
     Refusal,
-    pop_control_key,
+    RoundAbortedError,
     refused,
 )
 from weight_transfer.runtime.hooks import SyncTracker
 from weight_transfer.runtime.round_client import DEFAULT_TIMEOUT_S, RoundClient, new_trainer_id
 from weight_transfer.runtime.sources import ModuleSource, source_view
-from weight_transfer.runtime.worker_round import (
-    KEY_ATTR,
-    ModelIncompleteError,
-    RoundAbortedError,
-    WorkerRound,
-    round_step,
-)
 from weight_transfer.source import (  # the source's names, importable here as in vLLM's base
     ParamMeta,
     Placement,
@@ -80,6 +73,7 @@ __all__ = [
     "WeightTransferInitRequest",
     "WeightTransferUpdateRequest",
     "WeightTransferEngine",
+    "Channel",
 ]
 
 UpdatePayload = dict[str, Any] | list[dict[str, Any]]
@@ -150,7 +144,7 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
     `trainer_id` names this engine to the workers (`new_trainer_id`); group
     backends ship it, and workers serve one trainer at a time.
 
-    `self.source` is the caller's source seen the spec's way (`source_view`:
+    `self.source` is the caller's source seen wt's way (`source_view`:
     a source written as vLLM 0.33 writes one is viewed through its
     `iter_full` and `owned_names(rank)`, `rank` this trainer rank's).
 
@@ -193,7 +187,7 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
             if isinstance(client, RoundClient)
             else RoundClient(client, timeout_s, trainer_id=self.trainer_id)
         )
-        self.source = source_view(source, rank)  # a vLLM 0.33-style source, seen the spec's way
+        self.source = source_view(source, rank)  # a vLLM 0.33-style source, seen wt's way
         self.client.adapter_source = source
         if adapter_of(source) is not None and not self.sends_adapters:
             raise ValueError(f"{self.backend} cannot send a LoRA adapter; use nccl or ipc")
@@ -317,50 +311,47 @@ TInitInfo = TypeVar("TInitInfo", bound=WeightTransferInitInfo)
 TUpdateInfo = TypeVar("TUpdateInfo", bound=WeightTransferUpdateInfo)
 
 
-class WeightTransferEngine(WorkerRound, ABC, Generic[TInitInfo, TUpdateInfo]):
-    """How an inference worker receives weights and loads them into its model.
+class Channel(Protocol):
+    """The link a worker engine keeps to its trainer (`kits.channel.GroupChannel`):
+    `require()` raises `ChannelDownError` when it cannot carry a round; `group`,
+    when there is one, answers `trainer_alive()`."""
 
-    Lifecycle: `init_transfer_engine` (once per trainer connection), then per
-    round `start_weight_update`, `update_weights` (one or more),
-    `finish_weight_update`. Wire parameters come from the init info and are
-    stored on `self`; update info carries per-round metadata only.
+    group: Any
 
-    The round is a transaction that the base class owns, whatever the
-    subclass writes: `start_weight_update` opens `self.transaction`
-    (`new_transaction()`, by default the model's `WeightLoader`, reachable as
-    `self.loader`) before the subclass's own `start_weight_update` runs;
-    `finish_weight_update` runs the subclass's, then commits; and any failure
-    in start, `update_weights` or finish aborts it (after the subclass's
-    `abort_weight_update` hook), so the model serves the weights it had before
-    `start_weight_update`. `init_transfer_engine` is refused while a round is
-    open. A round with no call in progress for `round_timeout_s` (the init
-    info's `timeout_s` where it has one, else 300 s) is rolled back by the
-    engine itself, and an update `{ABORT_FIELD: reason}` rolls it back on
-    request. A backend that writes to the model directly (a
-    spec-style `self.model.load_weights`) is covered too: outside vLLM the
-    `DirectLoader` keeps an undo copy, inside vLLM the loader has begun a
-    layerwise reload.
+    def require(self) -> Any: ...
 
-    Only the trainer that connected the engine drives its rounds: once an init
-    carried a control key, every update and control must carry that trainer's
-    MAC, and a finish commits only a round the trainer sealed
-    (`weight_transfer.runtime.control`); anything else is refused before it is acted on.
 
-    A round that ends without its trainer (an update that failed, the trainer
-    gone, no progress for `round_timeout_s`) is rolled back and, inside vLLM,
-    generation is resumed if it was paused when the round began; a held commit
-    whose trainer left while generation was still paused is reverted.
-    `weight_transfer.runtime.worker_round` keeps all of this.
+class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
+    """How an inference worker receives weights: the receive step a backend writes.
 
-    A transaction without an exact undo (`exact_undo` False: no copy of the
-    weights, for models whose copy does not fit) cannot roll back a round that
-    loaded: the engine is then `incomplete` until a round that loads commits
-    (a control round, which loads nothing, does not count). Until then it
-    resumes nothing, refuses holds, and its refusals carry `Refusal.MODEL_INCOMPLETE`
-    (`ModelIncompleteError`), so the clients leave generation paused.
-    A round may update a LoRA adapter instead (`weight_transfer.runtime.adapters`):
-    `self.loader` is then the host's adapter loader. A backend that does not load
-    through `self.loader.load` sets `supports_adapter_update` False.
+    Lifecycle, as vLLM drives it: `init_transfer_engine` (once per trainer
+    connection), then per round `start_weight_update`, `update_weights` (one or
+    more: `parse_update_info`, then `receive_weights`), `finish_weight_update`;
+    `shutdown`. Wire parameters come from the init info and are stored on
+    `self`; update info carries per-round metadata only.
+
+    Hosts never run a backend's engine bare: vLLM (through wt's plugin),
+    `WorkerSession` and the factory run it inside wt-core's round
+    (`weight_transfer.runtime.worker_round.GuardedEngine`), which calls these
+    methods as steps and keeps the guarantees whatever they do: the round is a
+    transaction (`new_transaction()`, by default the model's `WeightLoader`,
+    reachable as `self.loader` while a round is open) that core begins before
+    `start_weight_update`, commits after `finish_weight_update` and rolls back
+    after any failure (after `abort_weight_update`), so the model serves the
+    weights it had before the round; one trainer per engine, its control key
+    and seal; the watchdog; resuming generation. A backend that writes to the
+    model directly (a direct `self.model.load_weights`) is covered too:
+    outside vLLM the `DirectLoader` keeps an undo copy, inside vLLM the loader
+    has begun a layerwise reload. No method here is rewritten: a subclass's
+    `super()` calls reach these plain defaults.
+
+    `channel` (declared, None by default) is the backend's link to its
+    trainer, if it keeps one: core refuses a round it cannot carry
+    (`require_connection`) and asks it whether the trainer is alive
+    (`trainer_alive`). A round may update a LoRA adapter instead
+    (`weight_transfer.runtime.adapters`): `self.loader` is then the host's
+    adapter loader. A backend that does not load through `self.loader.load`
+    sets `supports_adapter_update` False.
     """
 
     init_info_cls: ClassVar[type[WeightTransferInitInfo]]
@@ -368,10 +359,7 @@ class WeightTransferEngine(WorkerRound, ABC, Generic[TInitInfo, TUpdateInfo]):
     supports_draft_weight_update: ClassVar[bool] = True
     supports_adapter_update: ClassVar[bool] = True
     defers_processing: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.wrap_round_steps()
+    channel: Channel | None = None
 
     def __init__(
         self,
@@ -380,7 +368,6 @@ class WeightTransferEngine(WorkerRound, ABC, Generic[TInitInfo, TUpdateInfo]):
         device: torch.device | str,
         model: torch.nn.Module,
     ) -> None:
-        super().__init__()
         self.config = config
         self.vllm_config = vllm_config
         self.position: WorkerPosition = worker_position(vllm_config)
@@ -390,6 +377,7 @@ class WeightTransferEngine(WorkerRound, ABC, Generic[TInitInfo, TUpdateInfo]):
         self.model = model
         self._default_model = model
         self._default_model_config = self.model_config
+        self.round: Any = None  # the round core runs this engine in (`GuardedEngine`)
 
     # -- target selection (draft model) ---------------------------------
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
@@ -398,22 +386,11 @@ class WeightTransferEngine(WorkerRound, ABC, Generic[TInitInfo, TUpdateInfo]):
         self.model_config = model_config
 
     def reset_weight_update_target(self) -> None:
-        """Back to the main model. Hosts call this whenever their round ends
-        (vLLM's worker after a finish and after any failed start or update, also
-        one that failed before reaching the engine, such as a per-worker list it
-        could not index): a round still open here is rolled back first."""
-        with self._round_lock:
-            self._expired = None  # the host's round is over too
-            if self.transaction is not None:
-                logger.warning(
-                    "%s: the host ended the round without finishing it; rolling it back",
-                    type(self).__name__,
-                )
-                self._abort_round(RuntimeError("the host ended the round"))
+        """Back to the main model (the host's round ended)."""
         self.model = self._default_model
         self.model_config = self._default_model_config
 
-    # -- the transaction -------------------------------------------------
+    # -- the round's transaction, seen from the backend ------------------
     def new_loader(self) -> WeightLoader:
         """A loader for the current target model (layerwise reload inside vLLM)."""
         return loader_for(self.model, self.vllm_config, self.model_config)
@@ -423,8 +400,9 @@ class WeightTransferEngine(WorkerRound, ABC, Generic[TInitInfo, TUpdateInfo]):
         return self.new_loader()
 
     @property
-    def round_open(self) -> bool:
-        return self.transaction is not None
+    def transaction(self) -> Transaction | None:
+        """The open round's transaction (None outside a round, or outside core's round)."""
+        return getattr(self.round, "transaction", None)
 
     @property
     def loader(self) -> WeightLoader:
@@ -436,37 +414,20 @@ class WeightTransferEngine(WorkerRound, ABC, Generic[TInitInfo, TUpdateInfo]):
             raise TypeError(f"{type(self).__name__}'s transaction is not a WeightLoader")
         return transaction
 
-    def release_held(self) -> None:
-        """Drop the undo record a held commit kept (`HOLD_FIELD`); idempotent."""
-        held, self.held = self.held, None
-        if held is not None:
-            held.release()
-
-    # -- a round without its trainer --------------------------------------
+    # -- what core asks the backend ----------------------------------------
     def require_connection(self) -> None:
         """Refuse a round this engine cannot receive: one without a connection to its
-        trainer (never connected, restarted, torn down by a failed round). Core calls
-        it before every round opens. The default asks the backend's `channel` (an
-        object with `require()`, such as a `GroupChannel`), whose refusal says
-        `Refusal.NO_CONNECTION`; a backend without one is refused the same way
-        until an init succeeded, and again after `shutdown`. A trainer that sees
-        the refusal re-admits the workers (`reconnect`)."""
-        require = getattr(getattr(self, "channel", None), "require", None)
-        if callable(require):
-            require()
-        elif not self.connected:
-            raise ChannelDownError(
-                Refusal.NO_CONNECTION.say(
-                    f"{type(self).__name__}: no trainer is connected (never connected, or "
-                    "shut down since): the trainer runs init_weight_transfer_engine again"
-                )
-            )
+        trainer. The default asks `channel` (`require()`, which says
+        `Refusal.NO_CONNECTION`); an engine without one is refused the same way by
+        core until an init succeeded, and again after `shutdown`. A trainer that
+        sees the refusal re-admits the workers (`reconnect`)."""
+        if self.channel is not None:
+            self.channel.require()
 
     def trainer_alive(self) -> bool | None:
         """Whether the trainer this engine serves still has its end open; None when
-        this engine cannot tell. The default asks the backend's `channel` (a
-        `GroupChannel`: a group's store, a control link's socket), if it has one."""
-        group = getattr(getattr(self, "channel", None), "group", None)
+        this engine cannot tell. The default asks `channel`'s group, if there is one."""
+        group = getattr(self.channel, "group", None)
         if group is None:
             return None
         try:
@@ -475,64 +436,45 @@ class WeightTransferEngine(WorkerRound, ABC, Generic[TInitInfo, TUpdateInfo]):
             return None
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> TInitInfo:
-        """Typed init info; `ValueError` naming the field, or the wire-protocol mismatch.
-
-        The trainer's control key (`weight_transfer.runtime.control`) is taken out
-        first and kept with the parsed info; `init_transfer_engine` installs it
-        once the init succeeded.
-        """
-        init_dict, key = pop_control_key(init_dict)
+        """Typed init info; `ValueError` naming the field, or the wire-protocol mismatch."""
         declared = issubclass(self.init_info_cls, WireProtocolInfo)
         init_dict = check_wire_protocol(init_dict, required=declared)
-        info = parse_payload(self.init_info_cls, init_dict, "init_info")
-        object.__setattr__(info, KEY_ATTR, key)
-        return info  # type: ignore[return-value]
+        return parse_payload(self.init_info_cls, init_dict, "init_info")  # type: ignore[return-value]
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> TUpdateInfo:
         """Typed update info; `ValueError` naming the bad or missing field."""
         return parse_payload(self.update_info_cls, update_dict, "update_info")  # type: ignore[return-value]
 
-    # -- the round -------------------------------------------------------
+    # -- the steps -------------------------------------------------------
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Parse, `receive_weights`, then synchronize the device.
-
-        With `defers_processing` the sync is skipped and completion is
-        guaranteed by `finish_weight_update` (or `drain_pending`). On any
-        failure the round is aborted before the error propagates. A payload
-        `{ABORT_FIELD: reason}` rolls the open round back and raises
-        `RoundAbortedError`, which closes the host's round too.
-        """
-        self._update(update_info)
+        """`parse_update_info`, then `receive_weights` (what core's round runs, with
+        its checks around them, for every update a host delivers)."""
+        self.receive_weights(self.parse_update_info(update_info))
 
     def drain_pending(self) -> None:
-        """Complete deferred work; idempotent, a no-op for synchronous engines."""
+        """Complete deferred work (`defers_processing`); idempotent, a no-op for
+        synchronous engines. Core runs it before `finish_weight_update`."""
 
     def abort_weight_update(self) -> None:
-        """Backend clean-up when a round fails (the base class then aborts the
-        transaction). The default does nothing. Idempotent."""
+        """Backend clean-up when a round fails (core then aborts the transaction).
+        The default does nothing. Idempotent."""
 
     @abstractmethod
     def init_transfer_engine(self, init_info: TInitInfo) -> None:
         """Open the data channel and record the trainer's wire parameters."""
 
     def start_weight_update(self) -> None:
-        """Prepare a round, after the base class opened its transaction (and checked
-        the connection, `require_connection`). The default does nothing."""
+        """Prepare a round, after core opened its transaction (and checked the
+        connection, `require_connection`). The default does nothing."""
 
     @abstractmethod
     def receive_weights(self, update_info: TUpdateInfo) -> None:
         """Receive this update's weights and load them (`self.loader.load`)."""
 
     def finish_weight_update(self) -> None:
-        """Complete the round; the base class commits the transaction afterwards.
-        The default does nothing."""
+        """Complete the round; core commits the transaction afterwards. The default
+        does nothing."""
 
     @abstractmethod
     def shutdown(self) -> None:
         """Release the data channel; serving continues."""
-
-
-# The defaults run inside the transaction too (subclasses' own are wrapped as defined).
-for _name in ("start_weight_update", "finish_weight_update"):
-    setattr(WeightTransferEngine, _name, round_step(_name, WeightTransferEngine.__dict__[_name]))
-del _name

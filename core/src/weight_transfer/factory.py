@@ -7,7 +7,7 @@ Entry-point groups: `weight_transfer.trainer` and `weight_transfer.engine`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from weight_transfer.base import (
     WeightTransferEngine,
 )
 from weight_transfer.registry import BackendInfo, BackendRegistry
+
+if TYPE_CHECKING:
+    from weight_transfer.runtime.worker_round import GuardedEngine
 
 __all__ = ["WeightTransferTrainerFactory", "WeightTransferEngineFactory", "list_backends"]
 
@@ -104,8 +107,9 @@ class WeightTransferEngineFactory:
         vllm_config: Any,
         device: torch.device | str,
         model: torch.nn.Module,
-    ) -> WeightTransferEngine[Any, Any]:
-        """Create the engine named by `config.backend` for `model` on `device`.
+    ) -> GuardedEngine:
+        """Create the engine named by `config.backend` for `model` on `device`, inside
+        wt-core's round (`.backend` is the backend's own engine).
 
         `vllm_config` is a `VllmConfig` inside vLLM; elsewhere a
         `WorkerPosition` or `None` (the only worker).
@@ -113,7 +117,17 @@ class WeightTransferEngineFactory:
         backend = getattr(config, "backend", None)
         if not isinstance(backend, str):
             raise ValueError("config.backend must name a weight transfer backend")
-        return cls.get_engine_class(backend)(config, vllm_config, device, model)
+        from weight_transfer.runtime.worker_round import guarded
+
+        return guarded(cls.get_engine_class(backend)(config, vllm_config, device, model))
+
+    @classmethod
+    def hosted_engine_class(cls, backend: str) -> type[GuardedEngine]:
+        """The class a host instantiates for `backend`: the backend's engine inside
+        wt-core's round (`GuardedEngine.hosting`), with the backend's constructor."""
+        from weight_transfer.runtime.worker_round import GuardedEngine
+
+        return GuardedEngine.hosting(cls.get_engine_class(backend))
 
 
 def list_backends() -> dict[str, dict[str, BackendInfo]]:

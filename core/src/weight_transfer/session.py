@@ -7,8 +7,8 @@ in-process worker directly.
 
 Rules: `start_weight_update` opens a round (error if one is open);
 `update_weights` and `finish_weight_update` need an open round; a failed
-`update_weights` or `finish_weight_update` closes the round (the engine's
-base class has rolled it back), except a finish refused for want of its
+`update_weights` or `finish_weight_update` closes the round (core's round
+has rolled it back), except a finish refused for want of its
 trainer's seal, which leaves the round open for the trainer (as vLLM's does);
 `shutdown_weight_transfer_engine` is refused while a round is open.
 """
@@ -24,13 +24,16 @@ from weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 from weight_transfer.runtime.control import ControlRefused, Refusal
+from weight_transfer.runtime.worker_round import GuardedEngine, guarded
 
 __all__ = ["WorkerSession"]
 
 
 class WorkerSession:
-    def __init__(self, engine: WeightTransferEngine[Any, Any], draft_model: Any = None) -> None:
-        self.engine = engine
+    def __init__(
+        self, engine: WeightTransferEngine[Any, Any] | GuardedEngine, draft_model: Any = None
+    ) -> None:
+        self.engine = guarded(engine)  # a backend's engine runs inside core's round
         self.draft_model = draft_model
         self.weight_version: str | None = None
         self._active = False
@@ -63,7 +66,7 @@ class WorkerSession:
         if draft:
             if not self.engine.supports_draft_weight_update:
                 raise RuntimeError(
-                    f"{type(self.engine).__name__} does not support draft-model updates"
+                    f"{type(self.engine.backend).__name__} does not support draft-model updates"
                 )
             if self.draft_model is None:
                 raise RuntimeError("draft weight update requested, but there is no draft model")

@@ -208,7 +208,7 @@ def materialize_full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 class WeightSource(ABC):  # noqa: B024 - abstract by intent; either way of writing one is complete
     """What a trainer sends. See the module docstring for the full contract.
 
-    Write `metadata()` and `__iter__` (the spec's way), or a cached `metadata`
+    Write `metadata()` and `__iter__` (wt's way), or a cached `metadata`
     and `iter_full()` / `iter_local()` (vLLM 0.33's way); either way the source
     answers both ways' calls (`source_view` is how engines call it).
     """
@@ -279,7 +279,7 @@ class WeightSource(ABC):  # noqa: B024 - abstract by intent; either way of writi
                 "every name of metadata()"
             )
 
-    # -- vLLM 0.33's names, for a source written the spec's way ------------------
+    # -- vLLM 0.33's names, for a source written wt's way ------------------
     def owned_names(self, rank: int) -> list[str]:
         """The names `rank` iterates, in metadata order (this rank's `held_names()`)."""
         held = self.held_names()

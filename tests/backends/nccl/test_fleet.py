@@ -175,7 +175,7 @@ def test_an_abort_lost_once_is_asked_again_and_only_an_unconfirmed_rollback_is_n
 
 def test_a_replica_that_cannot_hold_a_commit_is_refused_at_start(fleet: Fleet) -> None:
     fleet.sync(1, "v1")
-    engine = fleet.sessions[1].engine
+    engine = fleet.sessions[1].engine.backend
     engine.new_transaction = lambda: NotRevertible(fleet.models[1])  # type: ignore[method-assign]
     with pytest.raises(FleetError, match="cannot revert a committed round") as failed:
         fleet.sync(2, "v2")

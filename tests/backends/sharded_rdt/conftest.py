@@ -107,11 +107,11 @@ class Shards:
         a failed sync: its host ends it (the engine rolls it back)."""
         deadline = time.monotonic() + CALL_TIMEOUT_S
         while time.monotonic() < deadline:
-            busy = [e._busy for e in self.engines]
+            busy = [s.engine._busy for s in self.sessions]
             if not any(busy):
                 for session in self.sessions:
                     session.abandon_round()
-                if not any(e.round_open for e in self.engines):
+                if not any(s.engine.round_open for s in self.sessions):
                     return
             time.sleep(0.02)
         raise AssertionError("a consumer's round stayed open")

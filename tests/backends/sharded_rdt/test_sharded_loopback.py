@@ -31,6 +31,7 @@ from tests.sources import DictSource
 from weight_transfer import layerwise_groups
 from weight_transfer.kits.stream.digests import RECEIVE_HOOKS
 from weight_transfer.runtime.control import ControlRefused, with_control_key
+from weight_transfer.runtime.worker_round import guarded
 from wt_sharded_rdt.protocol import ShardedRDTUpdateInfo
 
 pytestmark = pytest.mark.timeout(120)
@@ -209,7 +210,7 @@ def test_silent_consumer_fails_the_sync_within_the_watchdog(shards: Any) -> None
         # consumer 1 never saw the update; its host ends the round it holds open
         assert s.sessions[1].active
         s.sessions[1].abandon_round()
-        assert not s.engines[1].round_open
+        assert not s.sessions[1].engine.round_open
         s.replicas[0].skip_update = set()
         trainer.send_weights()
         s.assert_serving(2)
@@ -326,7 +327,7 @@ def test_expert_load_balancing_is_refused(shards: Any) -> None:
         )
     )
     engine = ShardedRDTWorkerEngine(None, config, "cpu", s.models[0])
-    s.engines[0], s.sessions[0].engine = engine, engine
+    s.engines[0], s.sessions[0].engine = engine, guarded(engine)
     with pytest.raises(Exception, match="enable_eplb"):
         s.trainer(HeldSource(checkpoint(1)))
 

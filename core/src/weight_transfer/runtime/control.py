@@ -29,7 +29,7 @@ every message a trainer sends inside a round carries proof:
 `ControlKey` is the trainer's side (sign), `ControlCheck` the engine's
 (verify). An engine initialized without a key (a trainer written against the
 spec alone, a host driving the engine directly) accepts unsigned messages, as
-the spec's engines do; once a key is installed, an unsigned or wrongly signed
+the reference example's engines do; once a key is installed, an unsigned or wrongly signed
 message is refused naming what is wrong, and nothing of it is acted on.
 
 The in-band controls are values of reserved fields in an update payload:
@@ -77,6 +77,8 @@ __all__ = [
     "check_control_values",
     "Refusal",
     "ChannelDownError",
+    "RoundAbortedError",
+    "ModelIncompleteError",
     "refusals",
     "refused",
     "abort_round",
@@ -302,6 +304,16 @@ class ChannelDownError(RuntimeError):
     says why and how to get one."""
 
 
+class RoundAbortedError(RuntimeError):
+    """The open round was rolled back on request (`ABORT_FIELD`) or for lack of progress."""
+
+
+class ModelIncompleteError(RuntimeError):
+    """A round whose transaction keeps no undo record failed after it loaded: the
+    model holds part of it. Generation stays paused until a complete round lands;
+    the message carries `Refusal.MODEL_INCOMPLETE`, which is how clients across HTTP know."""
+
+
 _CODE = re.compile(r"\[wt:([a-z_]+)\]")
 # vLLM's host refusals, which carry no code (its worker's texts, as of 0.32 / 0.33).
 _HOST_TEXTS = {
@@ -344,7 +356,7 @@ def abort_round(update: Call, reason: str, sign: Sign) -> None:
 
 
 def finish_round(finish: Callable[..., None], weight_version: str | None) -> None:
-    """`finish(weight_version)`, or `finish()` without a label: a spec-style client's
+    """`finish(weight_version)`, or `finish()` without a label: a plain client's
     `finish_weight_update` may take no argument."""
     if weight_version is None:
         finish()

@@ -1,4 +1,4 @@
-"""Sources as engines see them: `source_view` (either way of writing one, the spec's
+"""Sources as engines see them: `source_view` (either way of writing one, wt's
 contract), where each rank's piece of a sharded parameter lies (`local_box`,
 `shard_boxes`), `ModuleSource` (a module's parameters, plain or DTensor), and
 the tensors of one round handed over on the call (`StreamedSource`, with
@@ -83,8 +83,8 @@ def unravel(index: int, shape: tuple[int, ...]) -> list[int]:
 
 
 def source_view(source: Any, rank: int | None = None) -> Any:
-    """`source` as the spec's contract (the module doc): itself when written the
-    spec's way; a source written as vLLM 0.33 writes one (its `metadata` is a list,
+    """`source` as wt's contract (the module doc): itself when written
+    wt's way; a source written as vLLM 0.33 writes one (its `metadata` is a list,
     or it iterates through `iter_full` and defines no `__iter__`) is seen through
     a view whose `metadata()` is its metadata, whose `held_names()` are its
     `owned_names(rank)` and whose iteration is its `iter_full()` with `None` for
@@ -99,7 +99,7 @@ def source_view(source: Any, rank: int | None = None) -> Any:
 
 
 class _ViewOf033(WeightSource):
-    """A source written as vLLM 0.33 writes one, seen the spec's way (`source_view`)."""
+    """A source written as vLLM 0.33 writes one, seen wt's way (`source_view`)."""
 
     def __init__(self, source: Any, rank: int | None) -> None:
         self.source = source

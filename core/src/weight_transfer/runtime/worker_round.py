@@ -1,47 +1,50 @@
-"""The worker's round, which every `WeightTransferEngine` runs on (`WorkerRound`).
+"""The engine wt's hosts run: a backend's worker engine inside core's round (`GuardedEngine`).
 
-A backend never calls into this module: `weight_transfer.base` states the
-contract (what the round guarantees and which hooks a backend writes), and
-this module keeps it. `WeightTransferEngine` inherits `WorkerRound` and wraps
-each subclass's `init_transfer_engine`, `start_weight_update`,
-`finish_weight_update` and `shutdown` (`round_step`) and `parse_init_info`
-(`keyed_parse`) as the subclass is defined, so that:
+A backend writes a `weight_transfer.base.WeightTransferEngine`: its steps
+(`init_transfer_engine`, `start_weight_update`, `receive_weights`,
+`finish_weight_update`, `shutdown`, ...). Hosts never run it bare: vLLM
+(through wt's plugin), `WorkerSession` and the factory run `GuardedEngine`,
+which holds the backend's engine (`backend`), keeps the round's state, and
+calls the steps from the methods vLLM's worker calls, top to bottom here:
 
-- init admits one trainer per engine and installs its control key
-  (`weight_transfer.runtime.control`), refused while a round is open;
-- start rolls back a round left open, checks the connection
-  (`require_connection`), opens the transaction (`new_transaction`), then
-  runs the subclass's start;
-- an update verifies its MAC, acts on a control (`wt_abort`, `wt_hold`,
-  `wt_revert`, `wt_release`, `wt_seal`, `wt_adapter`: the round's
-  transaction becomes the host's adapter loader, before anything loaded),
-  else loads through `receive_weights`; any failure aborts the transaction;
-- finish is refused until the trainer sealed the round, and, where the host
-  hands the engine a finish's label (`finishing_as`), under any label but the
-  one the trainer sealed; then it commits (keeping the undo record after a
-  hold);
+- `init_transfer_engine`: admits one trainer per engine and installs its
+  control key (`weight_transfer.runtime.control`), refused while a round is
+  open, then the backend's init;
+- `start_weight_update`: rolls back a round left open, checks the connection
+  (the backend's `require_connection`), opens the transaction (its
+  `new_transaction`), then the backend's start;
+- `update_weights`: verifies the MAC, acts on a control (`wt_abort`, `wt_hold`,
+  `wt_revert`, `wt_release`, `wt_seal`, `wt_adapter`: the round's transaction
+  becomes the host's adapter loader, before anything loaded), else parses and
+  loads through the backend's `receive_weights`; any failure aborts the
+  transaction;
+- `finish_weight_update`: refused until the trainer sealed the round, and,
+  where the host hands the engine a finish's label (`finishing_as`), under any
+  label but the one the trainer sealed; then the backend's finish and the
+  commit (keeping the undo record after a hold);
 - a watchdog thread rolls back a round without progress for
   `round_timeout_s` or whose trainer is gone, and reverts a held commit whose
   trainer left before its fleet decided; generation that was paused when the
   round began or while it was open (a client pauses right after its start) is
   resumed through the host (`weight_transfer.runtime.hosts`).
+
+Nothing of the backend's class is rewritten: a backend written as vLLM writes
+one (overriding the public methods) runs the same way. Other attributes read on
+a `GuardedEngine` are the backend's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-import torch
-
+from weight_transfer.base import WeightTransferEngine
 from weight_transfer.loading import Revertible, Transaction
-from weight_transfer.position import WorkerPosition
 from weight_transfer.rounds import AlignedFailure
 from weight_transfer.runtime.adapters import ADAPTER_FIELD, Adapter
 from weight_transfer.runtime.control import (
@@ -53,9 +56,12 @@ from weight_transfer.runtime.control import (
     REVERT_FIELD,
     SEAL_FIELD,
     VERSION_FIELD,
+    ChannelDownError,
     ControlCheck,
     ControlRefused,
+    ModelIncompleteError,
     Refusal,
+    RoundAbortedError,
     check_control_values,
     pop_control_key,
 )
@@ -63,34 +69,15 @@ from weight_transfer.runtime.devices import synchronize_device
 from weight_transfer.runtime.hosts import Generation, host_of
 from weight_transfer.runtime.round_client import DEFAULT_TIMEOUT_S
 
-__all__ = [
-    "WorkerRound",
-    "RoundAbortedError",
-    "ModelIncompleteError",
-    "ROUND_STEPS",
-    "KEY_ATTR",
-    "round_step",
-    "keyed_parse",
-]
+__all__ = ["GuardedEngine", "guarded", "RoundAbortedError", "ModelIncompleteError", "KEY_ATTR"]
 
 logger = logging.getLogger("weight_transfer")
 
-ROUND_STEPS = ("init_transfer_engine", "start_weight_update", "finish_weight_update", "shutdown")
 _NO_ROUND = Refusal.NO_ROUND.say("update_weights called without a matching start_weight_update")
 KEY_ATTR = "_wt_control_key"  # where a parsed init info keeps the trainer's control key
 
 
-class RoundAbortedError(RuntimeError):
-    """The open round was rolled back on request (`ABORT_FIELD`) or for lack of progress."""
-
-
-class ModelIncompleteError(RuntimeError):
-    """A round whose transaction keeps no undo record failed after it loaded: the
-    model holds part of it. Generation stays paused until a complete round lands;
-    the message carries `Refusal.MODEL_INCOMPLETE`, which is how clients across HTTP know."""
-
-
-def _watch_rounds(ref: weakref.ReferenceType[WorkerRound]) -> None:
+def _watch_rounds(ref: weakref.ReferenceType[GuardedEngine]) -> None:
     """Daemon loop: roll back an engine's round that stalls (ends with the engine)."""
     while True:
         engine = ref()
@@ -105,81 +92,53 @@ def _watch_rounds(ref: weakref.ReferenceType[WorkerRound]) -> None:
         time.sleep(period)
 
 
-def round_step(name: str, step: Callable[..., None]) -> Callable[..., None]:
-    """Run a subclass's `start_weight_update` / `finish_weight_update` (`name`)
-    inside the base class's transaction (see `WeightTransferEngine`); refuse its
-    `init_transfer_engine` while a round is open."""
+class GuardedEngine:
+    """A backend's worker engine (`backend`) inside core's round; see the module doc.
 
-    @functools.wraps(step)
-    def wrapper(self: Any, *args: Any) -> None:
-        if self._in_round_step:  # a subclass calling super(): the outer wrapper owns it
-            step(self, *args)
-            return
-        self._in_round_step = True
-        try:
-            if name == "init_transfer_engine":
-                self._connect(args[0] if args else None, lambda: step(self, *args))
-            elif name == "shutdown":
-                self.connected = False
-                step(self)
-            elif name == "start_weight_update":
-                self._open_round(lambda: step(self))
-            else:
-                self._close_round(lambda: step(self))
-        finally:
-            self._in_round_step = False
-
-    wrapper.__wt_round_step__ = True  # type: ignore[attr-defined]
-    return wrapper
-
-
-def keyed_parse(parse: Callable[..., Any]) -> Callable[..., Any]:
-    """A subclass's own `parse_init_info`, given the payload without the trainer's
-    control key, which is kept with the parsed info (see `parse_init_info`)."""
-
-    @functools.wraps(parse)
-    def wrapper(self: Any, init_dict: dict[str, Any]) -> Any:
-        init_dict, key = pop_control_key(init_dict)
-        info = parse(self, init_dict)
-        object.__setattr__(info, KEY_ATTR, key)
-        return info
-
-    wrapper.__wt_keyed__ = True  # type: ignore[attr-defined]
-    return wrapper
-
-
-class WorkerRound:
-    """The round's state and steps on one worker engine (see the module doc).
-
-    `WeightTransferEngine` is its only subclass here; it declares the hooks
-    this class calls (`require_connection`, `new_transaction`,
-    `parse_update_info`, `receive_weights`, `abort_weight_update`,
-    `drain_pending`, `release_held`, `trainer_alive`).
+    Made around an engine (`guarded(engine)`), or, where a host instantiates a
+    class as vLLM does, by the class `GuardedEngine.hosting(backend_cls)`,
+    whose constructor takes the backend's arguments.
     """
 
-    if TYPE_CHECKING:  # declared by `WeightTransferEngine`
-        position: WorkerPosition
-        vllm_config: Any
-        device: torch.device
-        defers_processing: ClassVar[bool]
-        supports_adapter_update: ClassVar[bool]
-        model: torch.nn.Module
+    backend_cls: ClassVar[type[WeightTransferEngine[Any, Any]] | None] = None
+    _hosting: ClassVar[dict[type, type[GuardedEngine]]] = {}
+    # The round's state, and nothing else: setting any other name is an error
+    # (a backend's attribute is set on `backend`).
+    __slots__ = (
+        "__weakref__",
+        "_busy",
+        "_committed_as",
+        "_control",
+        "_expired",
+        "_finish_label",
+        "_generation",
+        "_held_label",
+        "_held_paused",
+        "_hold",
+        "_progress",
+        "_round_label",
+        "_round_loaded",
+        "_round_lock",
+        "_round_paused",
+        "_rounds",
+        "_sealed",
+        "_sealed_as",
+        "_watching",
+        "backend",
+        "connected",
+        "held",
+        "incomplete",
+        "round_timeout_s",
+        "transaction",
+    )  # fmt: skip
 
-        def require_connection(self) -> None: ...
-        def new_transaction(self) -> Transaction: ...
-        def parse_update_info(self, update_dict: dict[str, Any]) -> Any: ...
-        def receive_weights(self, update_info: Any) -> None: ...
-        def abort_weight_update(self) -> None: ...
-        def drain_pending(self) -> None: ...
-        def release_held(self) -> None: ...
-        def trainer_alive(self) -> bool | None: ...
-
-    def __init__(self) -> None:
+    def __init__(self, backend: WeightTransferEngine[Any, Any]) -> None:
+        self.backend = backend
+        backend.round = self
         self.transaction: Transaction | None = None
         self.held: Revertible | None = None  # a committed round kept for revert (HOLD_FIELD)
         self._hold = False  # this round's commit keeps its undo record
         self.round_timeout_s = DEFAULT_TIMEOUT_S
-        self._in_round_step = False
         self._round_lock = threading.RLock()
         self._busy = False
         self._progress = time.monotonic()
@@ -201,17 +160,106 @@ class WorkerRound:
         self.incomplete: str | None = None  # why the model holds a failed round's part
 
     @classmethod
-    def wrap_round_steps(cls) -> None:
-        """Wrap the round steps and `parse_init_info` that `cls` itself defines."""
-        for name in ROUND_STEPS:
-            step = cls.__dict__.get(name)
-            if callable(step) and not getattr(step, "__wt_round_step__", False):
-                setattr(cls, name, round_step(name, step))
-        parse = cls.__dict__.get("parse_init_info")
-        if callable(parse) and not getattr(parse, "__wt_keyed__", False):
-            cls.parse_init_info = keyed_parse(parse)  # type: ignore[attr-defined]
+    def hosting(cls, backend_cls: type[WeightTransferEngine[Any, Any]]) -> type[GuardedEngine]:
+        """The class a host instantiates for `backend_cls` (one per backend class):
+        `(config, vllm_config, device, model)` build the backend's engine."""
+        found = cls._hosting.get(backend_cls)
+        if found is None:
 
-    def _update(self, update_info: dict[str, Any]) -> None:
+            def __init__(self: GuardedEngine, *args: Any, **kwargs: Any) -> None:
+                GuardedEngine.__init__(self, backend_cls(*args, **kwargs))
+
+            namespace = {"__init__": __init__, "backend_cls": backend_cls, "__slots__": ()}
+            found = cls._hosting[backend_cls] = type(backend_cls.__name__, (cls,), namespace)
+            found.__qualname__ = f"GuardedEngine.hosting({backend_cls.__qualname__})"
+            found.__module__ = backend_cls.__module__
+        return found
+
+    def __getattr__(self, name: str) -> Any:
+        """Anything not of the round is the backend's (`channel`, its own state)."""
+        if name == "backend":  # not set yet (during __init__)
+            raise AttributeError(name)
+        return getattr(self.backend, name)
+
+    def __repr__(self) -> str:
+        return f"<GuardedEngine of {self.backend!r}>"
+
+    # -- what vLLM's worker calls ------------------------------------------
+    @property
+    def supports_draft_weight_update(self) -> bool:
+        return self.backend.supports_draft_weight_update
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+        """The backend's typed init info; the trainer's control key, taken out of the
+        payload first, is kept with it until `init_transfer_engine` installs it."""
+        init_dict, key = pop_control_key(init_dict)
+        info = self.backend.parse_init_info(init_dict)
+        object.__setattr__(info, KEY_ATTR, key)
+        return info
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        self._connect(init_info, lambda: self.backend.init_transfer_engine(init_info))
+
+    def start_weight_update(self) -> None:
+        self._open_round(self.backend.start_weight_update)
+
+    def update_weights(self, update_info: Any) -> None:
+        """One update: a control, or the backend's weights; on any failure the round is
+        aborted before the error propagates. `{ABORT_FIELD: reason}` rolls the open
+        round back and raises `RoundAbortedError`, which closes the host's round too."""
+        self._update(update_info)
+
+    def finish_weight_update(self) -> None:
+        self._close_round(self.backend.finish_weight_update)
+
+    def shutdown(self) -> None:
+        self.connected = False
+        self.backend.shutdown()
+
+    def set_weight_update_target(self, model: Any, model_config: Any) -> None:
+        self.backend.set_weight_update_target(model, model_config)
+
+    def reset_weight_update_target(self) -> None:
+        """The host's round is over (vLLM's worker calls it after a finish and after any
+        failed start or update, also one that failed before reaching the engine): a
+        round still open here is rolled back first; the backend aims at its main
+        model again."""
+        with self._round_lock:
+            self._expired = None  # the host's round is over too
+            if self.transaction is not None:
+                logger.warning(
+                    "%s: the host ended the round without finishing it; rolling it back",
+                    type(self.backend).__name__,
+                )
+                self._abort_round(RuntimeError("the host ended the round"))
+        self.backend.reset_weight_update_target()
+
+    @property
+    def round_open(self) -> bool:
+        return self.transaction is not None
+
+    def release_held(self) -> None:
+        """Drop the undo record a held commit kept (`HOLD_FIELD`); idempotent."""
+        held, self.held = self.held, None
+        if held is not None:
+            held.release()
+
+    def _require_connection(self) -> None:
+        """The backend's `require_connection`; an engine without a channel of its own
+        is refused until an init succeeded, and again after `shutdown`."""
+        backend = self.backend
+        own = type(backend).require_connection is not WeightTransferEngine.require_connection
+        if backend.channel is None and not own and not self.connected:
+            raise ChannelDownError(
+                Refusal.NO_CONNECTION.say(
+                    f"{type(backend).__name__}: no trainer is connected (never connected, or "
+                    "shut down since): the trainer runs init_weight_transfer_engine again"
+                )
+            )
+        backend.require_connection()
+
+    # -- the round ---------------------------------------------------------
+    def _update(self, update_info: Any) -> None:
         """`update_weights` under the round's lock, with its progress recorded."""
         with self._round_lock:
             self._busy = True
@@ -238,10 +286,10 @@ class WorkerRound:
                 logger.warning(
                     "%s: a new round starts while the previous one is still open; "
                     "rolling the previous one back",
-                    type(self).__name__,
+                    type(self.backend).__name__,
                 )
                 self._abort_round(RuntimeError("superseded by a new start_weight_update"))
-            self.require_connection()
+            self._require_connection()
             generation = self._find_generation()
             self._round_paused = generation is not None and generation.paused() is True
             self._round_label = (
@@ -249,7 +297,7 @@ class WorkerRound:
             )
             if self.held is not None and not self._round_paused:
                 self._held_paused = False  # the fleet resumed: it decided for the new weights
-            transaction = self.new_transaction()
+            transaction = self.backend.new_transaction()
             transaction.begin()
             self.transaction = transaction
             self._hold = False
@@ -271,7 +319,7 @@ class WorkerRound:
             if transaction is not None and self._control is not None:
                 self._check_finisher()
             try:
-                self.drain_pending()
+                self.backend.drain_pending()
                 subclass_finish()
                 if transaction is None:
                     pass
@@ -333,7 +381,7 @@ class WorkerRound:
     def _find_generation(self) -> Generation | None:
         """The host's generation running this worker (`hosts.Host.generation`, asked on a
         control call)."""
-        host = host_of(self.vllm_config)
+        host = host_of(self.backend.vllm_config)
         if self._generation is None and host is not None:
             self._generation = host.generation()
         return self._generation
@@ -345,7 +393,10 @@ class WorkerRound:
         paused, self._round_paused = self._round_paused, False
         if paused and self.incomplete is not None:
             logger.warning(
-                "%s: generation stays paused (%s; %s)", type(self).__name__, why, self.incomplete
+                "%s: generation stays paused (%s; %s)",
+                type(self.backend).__name__,
+                why,
+                self.incomplete,
             )
         elif paused:
             self._resume(why)
@@ -356,8 +407,8 @@ class WorkerRound:
         would otherwise run requests while another still rolls back."""
         generation = self._generation
         if generation is not None and generation.paused() is not False:
-            logger.warning("%s: resuming generation (%s)", type(self).__name__, why)
-            position = self.position
+            logger.warning("%s: resuming generation (%s)", type(self.backend).__name__, why)
+            position = self.backend.position
             generation.resume_when_all(self._rounds, position.rank, position.world_size)
 
     def _watch(self) -> None:
@@ -373,7 +424,7 @@ class WorkerRound:
         if self.transaction is None or self._busy:
             return
         stalled = time.monotonic() - self._progress >= self.round_timeout_s
-        gone = not stalled and self.trainer_alive() is False
+        gone = not stalled and self.backend.trainer_alive() is False
         if not (stalled or gone) or not self._round_lock.acquire(blocking=False):
             return
         try:
@@ -386,7 +437,7 @@ class WorkerRound:
                 )
             else:
                 reason = "the trainer left during the round (it died, or closed its end)"
-            logger.warning("%s: %s", type(self).__name__, reason)
+            logger.warning("%s: %s", type(self.backend).__name__, reason)
             self._note_pause()
             try:
                 self._abort_round(RoundAbortedError(reason))
@@ -417,7 +468,7 @@ class WorkerRound:
             if not paused:
                 self._held_paused = False
                 return
-            if self.trainer_alive() is not False:
+            if self.backend.trainer_alive() is not False:
                 return
             reason = "the trainer left before its fleet confirmed the held round"
             self._revert_held_orphan(reason)
@@ -441,7 +492,10 @@ class WorkerRound:
         transaction = self.transaction
         failures: list[BaseException] = []
         try:
-            for undo in (self.abort_weight_update, transaction.abort if transaction else None):
+            for undo in (
+                self.backend.abort_weight_update,
+                transaction.abort if transaction else None,
+            ):
                 if undo is None:
                     continue
                 try:
@@ -485,7 +539,7 @@ class WorkerRound:
             holder = self._control
             takeover = bool(getattr(init_info, "replace", False))
             keyless = check is None and holder is not None and not takeover
-            if keyless and self.trainer_alive() is not False:
+            if keyless and self.backend.trainer_alive() is not False:
                 assert holder is not None
                 raise ControlRefused(
                     f"init_info: field {CONTROL_KEY_FIELD!r} is missing, but this engine "
@@ -510,10 +564,10 @@ class WorkerRound:
         its end, or whose liveness this engine cannot tell is replaced."""
         if holder.same_key(check) or check.trainer_id == holder.trainer_id:
             return
-        if self.trainer_alive() is not True:
+        if self.backend.trainer_alive() is not True:
             return
         raise ControlRefused(
-            f"{type(self).__name__}: this engine serves trainer "
+            f"{type(self.backend).__name__}: this engine serves trainer "
             f"{holder.trainer_id or '(unnamed)'}, which is alive; trainer "
             f"{check.trainer_id or '(unnamed)'} may take it over only with "
             "replace_trainer=True in its init info"
@@ -521,7 +575,7 @@ class WorkerRound:
 
     # -- payload parsing ---------------------------------------------------
 
-    def _update_locked(self, update_info: dict[str, Any]) -> None:
+    def _update_locked(self, update_info: Any) -> None:
         if self._control is not None:
             update_info = self._control.verify(update_info)
         elif isinstance(update_info, dict) and AUTH_FIELD in update_info:
@@ -559,14 +613,9 @@ class WorkerRound:
         self.release_held()  # this round's loads reuse the buffers it holds
         try:
             self._check_still_paused()
-            info = self.parse_update_info(update_info)
-            prepare = getattr(self.transaction, "prepare", None)
-            self._round_loaded = True
-            if callable(prepare):
-                prepare()
-            self.receive_weights(info)
-            if not self.defers_processing:
-                synchronize_device(self.device)
+            self._receive(update_info)
+            if not self.backend.defers_processing:
+                synchronize_device(self.backend.device)
         except AlignedFailure as failed:  # the channel is fine; raise the cause
             self._abort_round(failed.error)
             self._resume_generation(f"the round failed: {failed.error}")
@@ -577,6 +626,21 @@ class WorkerRound:
             self._resume_generation(f"the round failed: {error}")
             self._raise_if_incomplete(error)
             raise
+
+    def _receive(self, update_info: dict[str, Any]) -> None:
+        """The backend's receive step: `parse_update_info`, then `receive_weights`; or,
+        for a backend that overrides `update_weights` (as a vLLM engine does), that."""
+        backend = self.backend
+        own = type(backend).update_weights is not WeightTransferEngine.update_weights
+        info = None if own else backend.parse_update_info(update_info)
+        prepare = getattr(self.transaction, "prepare", None)
+        self._round_loaded = True  # from here the model may change
+        if callable(prepare):
+            prepare()
+        if own:
+            backend.update_weights(update_info)
+        else:
+            backend.receive_weights(info)
 
     def _note_pause(self) -> bool | None:
         """Generation's pause state now (None: unknown); a pause that began while this
@@ -618,11 +682,13 @@ class WorkerRound:
         if held is None:
             raise RuntimeError(
                 Refusal.NOTHING_HELD.say(
-                    f"{type(self).__name__}: asked to revert ({reason}), but no committed "
+                    f"{type(self.backend).__name__}: asked to revert ({reason}), but no committed "
                     "round is held (none was asked to hold, or a later round loaded since)"
                 )
             )
-        logger.warning("%s: reverting the last committed round (%s)", type(self).__name__, reason)
+        logger.warning(
+            "%s: reverting the last committed round (%s)", type(self.backend).__name__, reason
+        )
         held.revert()
 
     def _target_adapter(self, payload: Any) -> None:
@@ -650,11 +716,12 @@ class WorkerRound:
 
     def _adapter_loader(self, adapter: Adapter) -> Transaction:
         """The host's loader for a round that updates `adapter` (vLLM: its LoRA slots)."""
-        make = getattr(host_of(self.vllm_config), "adapter_loader", None)
-        if not self.supports_adapter_update or not callable(make):
-            who = type(self).__name__ if not self.supports_adapter_update else "this host"
+        backend = self.backend
+        make = getattr(host_of(backend.vllm_config), "adapter_loader", None)
+        if not backend.supports_adapter_update or not callable(make):
+            who = type(backend).__name__ if not backend.supports_adapter_update else "this host"
             raise TypeError(f"{who} cannot take a LoRA adapter round ({adapter.name!r})")
-        return make(self.model, self.vllm_config, adapter)
+        return make(backend.model, backend.vllm_config, adapter)
 
     def _hold_commit(self) -> None:
         """`HOLD_FIELD`: this round's commit keeps its undo record, or the hold is refused."""
@@ -663,10 +730,15 @@ class WorkerRound:
             raise RuntimeError(_NO_ROUND)
         if not isinstance(transaction, Revertible) or not getattr(transaction, "exact_undo", True):
             error = TypeError(
-                f"{type(self).__name__}: the round's transaction ({type(transaction).__name__}) "
-                "cannot revert a committed round, so this engine cannot hold a commit for an "
-                "all-or-nothing fleet round"
+                f"{type(self.backend).__name__}: the round's transaction "
+                f"({type(transaction).__name__}) cannot revert a committed round, so this "
+                "engine cannot hold a commit for an all-or-nothing fleet round"
             )
             self._abort_round(error)
             raise error
         self._hold = True
+
+
+def guarded(engine: WeightTransferEngine[Any, Any] | GuardedEngine) -> GuardedEngine:
+    """`engine` inside core's round (itself when it is one already)."""
+    return engine if isinstance(engine, GuardedEngine) else GuardedEngine(engine)

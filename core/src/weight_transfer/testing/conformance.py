@@ -233,7 +233,7 @@ def test_a_source_written_as_vllm_033_writes_one_syncs_bit_exactly(
     wt_profile: Profile, trainers: Trainers
 ) -> None:
     """A cached `metadata` and `iter_full()` (vLLM 0.33's way): bit-exact rounds, and a
-    disagreement named and rolled back as the spec's way of writing a source gets."""
+    disagreement named and rolled back as wt's way of writing a source gets."""
     if not wt_profile.takes_source:
         pytest.skip(f"{wt_profile} takes no WeightSource")
     tensors = conformance_weights(8)

@@ -1,9 +1,10 @@
 """Lazy access to wt worker engines under their vLLM names.
 
-`weight_transfer.vllm.engines.wt_<name>` is the worker engine class of the wt
-backend `<name>`, resolved through `WeightTransferEngineFactory` (so an unknown,
-ambiguous or broken backend fails with wt's message naming the distribution)
-on first attribute access, which vLLM makes when it creates the engine.
+`weight_transfer.vllm.engines.wt_<name>` is the class vLLM instantiates for
+the wt backend `<name>`: its worker engine inside wt-core's round
+(`WeightTransferEngineFactory.hosted_engine_class`). It is resolved on first
+attribute access, which vLLM makes when it creates the engine, so an unknown,
+ambiguous or broken backend fails with wt's message naming the distribution.
 """
 
 from __future__ import annotations
@@ -18,4 +19,4 @@ def __getattr__(attr: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
     from weight_transfer.factory import WeightTransferEngineFactory
 
-    return WeightTransferEngineFactory.get_engine_class(attr[len(BACKEND_PREFIX) :])
+    return WeightTransferEngineFactory.hosted_engine_class(attr[len(BACKEND_PREFIX) :])

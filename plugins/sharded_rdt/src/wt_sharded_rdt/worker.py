@@ -197,7 +197,6 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
         self.digests = plan.digests() if init_info.verify else None
         self.info, self.plan, self.zero = init_info, plan, zero
         self.consumer_id, self.last_sync = consumer_id, 0
-        self.round_timeout_s = init_info.timeout_s
         self.channel.connect(_Producers(clients), holder=init_info.trainer_id)
         logger.info(
             "sharded_rdt consumer %d: %d pulls, %d bytes per sync, from producers %s",
