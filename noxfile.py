@@ -27,13 +27,15 @@ RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
 
 CORE = "./core"
+KITS = "./kits"  # wt-kits: the helpers the first-party backends build on
 PLUGINS = ["./plugins/nccl", "./plugins/sparse_nccl", "./plugins/ipc", "./plugins/sharded_rdt"]
 EXAMPLE = "./examples/wt-example"
 TOOLS = "./tools"  # demo, bench, tiny-model builder: applications, not core
 INTEGRATIONS = ["./integrations/trl"]  # RL libraries syncing through wt (wt-trl pins trl)
-DISTRIBUTIONS = [CORE, *PLUGINS, EXAMPLE, TOOLS]
+DISTRIBUTIONS = [CORE, KITS, *PLUGINS, EXAMPLE, TOOLS]
 SOURCES = [
     "core/src/weight_transfer",
+    "kits/src/wt_kits",
     "plugins/nccl/src/wt_nccl",
     "plugins/sparse_nccl/src/wt_sparse_nccl",
     "plugins/ipc/src/wt_ipc",

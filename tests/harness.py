@@ -37,6 +37,9 @@ __all__ = [
     "corrupt_received",
     "digest",
     "worker_context",
+    "weights",
+    "nccl_trainer",
+    "ipc_trainer",
 ]
 
 
@@ -52,6 +55,38 @@ def host_sync_handlers(model: Any, session: Any) -> dict[str, Any]:
         return dict(counters.pop().stop().counts)
 
     return {"count_host_syncs": count_host_syncs, "host_syncs": host_syncs}
+
+
+def weights(pool: _WorkerPool) -> list[dict[str, str]]:
+    """Each worker's parameters, as digests by name."""
+    return [{n: digest(t) for n, t in sd.items()} for sd in pool.each("state_dict")]
+
+
+def nccl_trainer(pool: _WorkerPool, source: Any, client: Any = None, **wire: Any) -> Any:
+    """A wt_nccl trainer (rank 0) connected to every worker of `pool` over a fresh port."""
+    from wt_kits.group.stateless import free_port
+    from wt_nccl import NCCLTrainerInitInfo
+
+    wire.setdefault("timeout_s", 30.0)
+    world = 1 + len(pool.processes)
+    info = NCCLTrainerInitInfo("127.0.0.1", free_port(), world, rank=0, **wire)
+    return _trainer_init(info, client or pool.client(), source)
+
+
+def ipc_trainer(pool: _WorkerPool, source: Any, client: Any = None, **wire: Any) -> Any:
+    """A wt_ipc trainer (rank 0) attached to every worker of `pool`."""
+    from wt_ipc import IPCTrainerInitInfo
+
+    wire.setdefault("timeout_s", 30.0)
+    wire.setdefault("num_workers", len(pool.processes))
+    info = IPCTrainerInitInfo(rank=0, **wire)
+    return _trainer_init(info, client or pool.client(), source)
+
+
+def _trainer_init(info: Any, client: Any, source: Any) -> Any:
+    from weight_transfer import WeightTransferTrainerFactory
+
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
 class WorkerPool(_WorkerPool):

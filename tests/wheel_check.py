@@ -13,8 +13,12 @@ heavy = {"vllm", "ray", "httpx"} & set(sys.modules)
 assert not heavy, f"import weight_transfer imported {heavy}"
 # Core holds no application and imports no plugin: every module imports alone.
 for module in pkgutil.walk_packages(weight_transfer.__path__, "weight_transfer."):
-    if module.name in ("weight_transfer.testing.conformance", "weight_transfer.testing.plugin"):
-        continue  # pytest's: the [testing] extra
+    if module.name.startswith("weight_transfer.testing.") and module.name.rpartition(".")[2] in (
+        "conformance",
+        "plugin",
+        "seams",
+    ):
+        continue  # the [testing] extra's (pytest, wt-kits)
     importlib.import_module(module.name)
 plugins = sorted(m for m in sys.modules if m.startswith("wt_"))
 assert not plugins, f"wt-core's modules imported {plugins}"

@@ -21,7 +21,7 @@ from wt_tools.counting import AtenOps, HostSyncs
 from tests.harness import WorkerPool, assert_received
 from tests.sources import DictSource
 from weight_transfer import WeightTransferTrainerFactory
-from weight_transfer.kits.group.stateless import free_port
+from wt_kits.group.stateless import free_port
 
 SIZES = (1000, 8000)
 BUFFER_BYTES = 256 << 10

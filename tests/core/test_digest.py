@@ -1,5 +1,5 @@
 """Verified bytes on their own: the digest, per-bucket digests, the digest room, and the
-pipeline's check before a load (`weight_transfer.kits.stream.digests`, `LoadPipeline.received`).
+pipeline's check before a load (`wt_kits.stream.digests`, `LoadPipeline.received`).
 
 The detection tests change a bucket's 32-bit words by crafted and by random small patterns
 (the kind a plain weighted sum of the words misses) and require both lanes of every changed
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from weight_transfer.backend import ParamMeta
-from weight_transfer.kits.stream import LoadFailed, LoadPipeline, Unpacker, as_bytes, plan_buckets
-from weight_transfer.kits.stream import digests as digest_module
-from weight_transfer.kits.stream.digests import (
-    RECEIVE_HOOKS,
+from weight_transfer.testing.seams import on_bucket_landed
+from wt_kits.stream import LoadFailed, LoadPipeline, Unpacker, as_bytes, plan_buckets
+from wt_kits.stream import digests as digest_module
+from wt_kits.stream.digests import (
     WINDOW_WORDS,
     BucketDigests,
     DigestMismatch,
@@ -445,15 +445,14 @@ def test_the_pipeline_checks_each_bucket_before_its_load_and_loads_nothing_after
 
     pipeline = LoadPipeline(lambda tensors: loaded.extend(n for n, _ in tensors), 2, 5.0, name="t")
     unpacker = Unpacker(plan, "cpu")
-    RECEIVE_HOOKS.append(corrupt)
     try:
-        for k, buf in enumerate(buckets):
-            pipeline.before_receive(k)
-            pipeline.received(k, buf, unpacker, expected[k])
-        with pytest.raises(LoadFailed, match=r"bucket 2 of 6: parameter 'layers.2.w'"):
-            pipeline.finish()
+        with on_bucket_landed(corrupt):
+            for k, buf in enumerate(buckets):
+                pipeline.before_receive(k)
+                pipeline.received(k, buf, unpacker, expected[k])
+            with pytest.raises(LoadFailed, match=r"bucket 2 of 6: parameter 'layers.2.w'"):
+                pipeline.finish()
     finally:
-        RECEIVE_HOOKS.remove(corrupt)
         pipeline.close()
     assert seen == list(range(6))  # the hook saw every bucket, draining or not
     assert loaded == ["layers.0.w", "layers.1.w"]  # nothing from the corrupt bucket on

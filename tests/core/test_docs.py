@@ -105,6 +105,25 @@ def test_every_test_a_doc_cites_exists(doc: Path) -> None:
     assert not stale, "tests cited in the docs that do not exist:\n" + "\n".join(stale)
 
 
+_TEST_NAME = re.compile(r"^test_\w+$")
+
+
+@pytest.mark.parametrize("doc", _docs(EVERY_DOC), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_test_a_doc_names_alone_exists(doc: Path) -> None:
+    """A test named without its file (`test_x`) is defined somewhere in the tests."""
+    defined = {
+        name
+        for path in [*(ROOT / "tests").rglob("test_*.py"), CONFORMANCE]
+        for name in re.findall(r"^\s*(?:async )?def (test_\w+)", path.read_text(), re.M)
+    }
+    stale = [
+        f"{doc.relative_to(ROOT)}:{n}: `{token}`"
+        for n, token in _ticked(doc)
+        if _TEST_NAME.match(token) and token not in defined
+    ]
+    assert not stale, "tests named in the docs that do not exist:\n" + "\n".join(stale)
+
+
 def _resolves(dotted: str) -> bool:
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):

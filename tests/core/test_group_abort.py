@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from weight_transfer.kits.group.auth import new_secret
-from weight_transfer.kits.group.stateless import StatelessGroup, free_port
+from wt_kits.group.auth import new_secret
+from wt_kits.group.stateless import StatelessGroup, free_port
 
 TIMEOUT_S = 20.0
 
@@ -63,7 +63,7 @@ def test_dropping_an_aborted_group_with_a_receive_in_flight_does_not_stall() -> 
 EXITING_WORKER = textwrap.dedent(
     """
     import sys, threading, time, torch
-    from weight_transfer.kits.group.stateless import StatelessGroup
+    from wt_kits.group.stateless import StatelessGroup
     port, secret = int(sys.argv[1]), sys.argv[2]
     group = StatelessGroup.create(host="127.0.0.1", port=port, rank=1, world_size=2,
                                   secret=secret, timeout_s=20.0)

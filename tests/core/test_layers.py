@@ -4,7 +4,7 @@ Imports are read from the source (`ast`), at module level and inside
 functions alike, so a lazy import that closes a cycle counts too. wt-core's
 layers, lowest first: the core (the contract, `CONTRACT`, which every backend
 author reads, and the runtime that keeps it, `weight_transfer.runtime`), the
-kits (`weight_transfer.kits`: optional helpers built on the core), and the
+kits (wt-kits, `wt_kits`: optional helpers built on the core), and the
 entry points (the package's facade, the clients, the fleet, the factories,
 the CLI, the vLLM bridge `weight_transfer.vllm`, the conformance suite
 `weight_transfer.testing`). A module imports only from its own layer or below.
@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = [
     ROOT / "core/src/weight_transfer",
+    ROOT / "kits/src/wt_kits",
     *sorted((ROOT / "plugins").glob("*/src/wt_*")),
     ROOT / "examples/wt-example/src/wt_example",
     ROOT / "tools/src/wt_tools",
@@ -36,7 +37,7 @@ ENTRY_POINTS = {
     "weight_transfer.registry",
     "weight_transfer.session",
 }
-# What a backend author reads: the spec's classes, the round on both sides, the payload
+# What a backend author reads: the contract's classes, the round on both sides, the payload
 # and dtype codecs, the loader protocol, the worker's position.
 CONTRACT = {
     "weight_transfer.base",
@@ -51,7 +52,7 @@ CONTRACT = {
 UPPER_PACKAGES = ("weight_transfer.vllm", "weight_transfer.testing")
 # What a backend (a plugin, the example) may import of wt-core: the contract and the kits;
 # its conformance profile (`<backend>.conformance`) also the conformance suite's profile.
-BACKEND_SURFACE = ("weight_transfer.backend", "weight_transfer.kits")
+BACKEND_SURFACE = ("weight_transfer.backend", "wt_kits")
 BACKEND_TEST_SEAMS = ("weight_transfer.testing.profile",)
 BACKENDS = [
     *sorted((ROOT / "plugins").glob("*/src/wt_*")),
@@ -96,11 +97,13 @@ def _within(module: str, package: str) -> bool:
 
 
 def _layer(module: str) -> int:
+    if _within(module, "wt_kits"):
+        return 1
     if module in ENTRY_POINTS or not module.startswith("weight_transfer"):
         return 2
     if any(_within(module, package) for package in UPPER_PACKAGES):
         return 2
-    return 1 if _within(module, "weight_transfer.kits") else 0
+    return 0
 
 
 def _cycles() -> list[list[str]]:

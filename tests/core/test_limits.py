@@ -13,10 +13,10 @@ import torch
 from tests.core.helpers import ExampleNet
 from weight_transfer import WeightTransferConfig, WeightTransferEngineFactory
 from weight_transfer.backend import ParamMeta, parse_payload
-from weight_transfer.kits.group import GroupInitInfo
-from weight_transfer.kits.group.auth import new_secret
 from weight_transfer.payload import WIRE_PROTOCOL_VERSION
 from weight_transfer.runtime.limits import MAX_TIMEOUT_S, check_declared, host_memory_bytes
+from wt_kits.group import GroupInitInfo
+from wt_kits.group.auth import new_secret
 
 
 def _group(**extra: Any) -> dict[str, Any]:

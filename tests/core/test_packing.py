@@ -11,7 +11,7 @@ import torch
 
 from tests.harness import digest
 from weight_transfer import ParamMeta, layerwise_groups
-from weight_transfer.kits.stream.packing import (
+from wt_kits.stream.packing import (
     ALIGNMENT,
     BucketPlan,
     RotatingBuffers,
@@ -301,7 +301,7 @@ def test_unpacking_through_the_buffers_reuses_their_views_and_stays_exact() -> N
 
 
 def test_a_packed_finite_check_ignores_padding_and_names_the_bad_parameter() -> None:
-    from weight_transfer.kits.stream.packing import Packer
+    from wt_kits.stream.packing import Packer
 
     # odd sizes: alignment padding between the pieces; a buffer full of NaN bytes
     metas = [ParamMeta(f"layers.0.w{i}", torch.float32, (3 + i,)) for i in range(6)]
@@ -369,7 +369,7 @@ def test_a_packed_finite_check_names_the_float8_parameter(
 ) -> None:
     """Finite float8 (every finite value) packs bit-exact, the padding is not checked;
     a NaN or an infinity is refused naming its parameter, nothing of the bucket out."""
-    from weight_transfer.kits.stream.packing import Packer, float_runs
+    from wt_kits.stream.packing import Packer, float_runs
 
     plan = plan_buckets(FLOAT8_BUCKET, buffer_bytes=4096)
     assert len(plan.buckets) == 1
@@ -400,7 +400,7 @@ FLOAT8_ALONE = [ParamMeta("layers.0.a", E5M2, (5, 8)), ParamMeta("layers.1.b", E
 
 def one_piece_buckets(path: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every bucket's bytes as `Packer.bytes_of` or `Packer.whole` hands them out."""
-    from weight_transfer.kits.stream.packing import Packer, plan_per_tensor
+    from wt_kits.stream.packing import Packer, plan_per_tensor
 
     if path == "bytes_of":
         plan = plan_buckets(FLOAT8_ALONE, buffer_bytes=64)

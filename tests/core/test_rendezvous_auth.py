@@ -28,7 +28,9 @@ import torch.distributed as dist
 from tests.harness import ForbiddenClient
 from tests.stray import Stray
 from weight_transfer.backend import WorkerPosition, parse_payload, payload_of
-from weight_transfer.kits.group import (
+from weight_transfer.payload import WIRE_PROTOCOL_VERSION
+from weight_transfer.runtime.waiting import in_background
+from wt_kits.group import (
     GroupInitInfo,
     GroupTrainerFields,
     StatelessGroup,
@@ -36,10 +38,8 @@ from weight_transfer.kits.group import (
     join_group,
     trainer_rendezvous,
 )
-from weight_transfer.kits.group.auth import new_secret
-from weight_transfer.kits.group.store import StoreRefused, StoreServer, connect_store
-from weight_transfer.payload import WIRE_PROTOCOL_VERSION
-from weight_transfer.runtime.waiting import in_background
+from wt_kits.group.auth import new_secret
+from wt_kits.group.store import StoreRefused, StoreServer, connect_store
 
 HOST = "127.0.0.1"
 TRAINER = "trainer-under-test"
@@ -166,8 +166,8 @@ def test_a_flood_of_silent_connections_delays_a_worker_but_cannot_keep_it_out(
     """Every handshake slot held by a stray for 6 s (each one it loses at the 2 s
     deadline is taken again at once): the worker is told BUSY, retries, and
     joins once the flood ends."""
-    from weight_transfer.kits.group import stateless as group_module
-    from weight_transfer.kits.group import store as store_module
+    from wt_kits.group import stateless as group_module
+    from wt_kits.group import store as store_module
 
     monkeypatch.setattr(store_module, "MAX_PENDING_HANDSHAKES", 4)
     monkeypatch.setattr(group_module, "HANDSHAKE_TIMEOUT_S", 2.0)

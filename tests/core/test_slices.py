@@ -10,9 +10,9 @@ import torch
 
 from weight_transfer import ParamMeta
 from weight_transfer.backend import DirectLoader
-from weight_transfer.kits.slices import UnsupportedOp, apply_chain, record_slices
-from weight_transfer.kits.stream import aligned_layout
 from weight_transfer.runtime.slices import write_scatter
+from wt_kits.slices import UnsupportedOp, apply_chain, record_slices
+from wt_kits.stream import aligned_layout
 
 
 class Loaders(torch.nn.Module):

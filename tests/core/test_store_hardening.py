@@ -37,12 +37,12 @@ from tests.core.test_rendezvous_auth import (
     _wait_logged,
 )
 from tests.stray import Stray
-from weight_transfer.kits.group import StatelessGroup, free_port
-from weight_transfer.kits.group import stateless as group_module
-from weight_transfer.kits.group import store as store_module
-from weight_transfer.kits.group.auth import new_secret
-from weight_transfer.kits.group.store import RemoteStore, StoreServer, connect_store
 from weight_transfer.runtime.waiting import in_background
+from wt_kits.group import StatelessGroup, free_port
+from wt_kits.group import stateless as group_module
+from wt_kits.group import store as store_module
+from wt_kits.group.auth import new_secret
+from wt_kits.group.store import RemoteStore, StoreServer, connect_store
 
 WAIT_S = 60.0
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from weight_transfer.backend import AlignedFailure, Transfer
-from weight_transfer.kits.channel import GroupChannel
-from weight_transfer.kits.group import StatelessGroup, free_port
-from weight_transfer.kits.group.auth import new_secret
-from weight_transfer.kits.stream import LoadFailed, LoadPipeline, RotatingBuffers, SendWindow
 from weight_transfer.runtime.control import ChannelDownError
 from weight_transfer.runtime.hooks import SyncTracker
 from weight_transfer.runtime.waiting import CollectiveError, TransferTimeout
+from wt_kits.channel import GroupChannel
+from wt_kits.group import StatelessGroup, free_port
+from wt_kits.group.auth import new_secret
+from wt_kits.stream import LoadFailed, LoadPipeline, RotatingBuffers, SendWindow
 
 
 def _transfer(watch: dict[str, Future[None]] | None = None, timeout_s: float = 5.0) -> Transfer:

@@ -13,8 +13,8 @@ import torch
 from tests.harness import WorkerPool, digest
 from tests.sources import DictSource, mixed_tensors
 from weight_transfer import WeightTransferTrainerFactory
-from weight_transfer.kits.group.stateless import free_port
-from weight_transfer.kits.stream.packing import RotatingBuffers, Unpacker, as_bytes, plan_buckets
+from wt_kits.group.stateless import free_port
+from wt_kits.stream.packing import RotatingBuffers, Unpacker, as_bytes, plan_buckets
 
 pytestmark = [
     pytest.mark.gpu,

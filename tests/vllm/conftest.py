@@ -215,7 +215,7 @@ def connect(
     from weight_transfer import WeightTransferTrainerFactory
 
     if backend == "nccl":
-        from weight_transfer.kits.group.stateless import free_port
+        from wt_kits.group.stateless import free_port
         from wt_nccl import NCCLTrainerInitInfo
 
         info: Any = NCCLTrainerInitInfo(

@@ -166,7 +166,7 @@ def check_sparse(e: Engines, scratch: str) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     from weight_transfer import LocalVLLMWeightSyncClient, WeightTransferTrainerFactory
-    from weight_transfer.kits.group.stateless import free_port
+    from wt_kits.group.stateless import free_port
     from wt_sparse_nccl import SparseNCCLTrainerInitInfo, SparseWeightPatch
 
     llm = e.engine("sparse_nccl", 64)

@@ -28,7 +28,7 @@ from tests.vllm.conftest import (
     Outputs,
     TinyDirs,
 )
-from weight_transfer.kits.group.stateless import free_port
+from wt_kits.group.stateless import free_port
 
 __all__ = [
     "Server", "Traffic", "ServerPool", "READY_TIMEOUT_S", "SERVED_NAME", "completions",

@@ -33,7 +33,7 @@ from weight_transfer import (
     ModuleSource,
     WeightTransferTrainerFactory,
 )
-from weight_transfer.kits.group import free_port
+from wt_kits.group import free_port
 
 pytest.importorskip("vllm")
 pytest.importorskip("httpx")

@@ -28,8 +28,8 @@ from tests.vllm.conftest import (
     require_backend,
 )
 from weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightSyncRPCError
-from weight_transfer.kits.group.stateless import free_port
 from weight_transfer.runtime.control import SEAL_FIELD
+from wt_kits.group.stateless import free_port
 
 pytest.importorskip("vllm")
 httpx = pytest.importorskip("httpx")
@@ -131,7 +131,7 @@ class PausingClient(HTTPVLLMWeightSyncClient):
 wire = dict(timeout_s=120.0, packed_buffer_size_bytes=64 << 10, packed_min_bucket_bytes=0)
 if backend == "nccl":
     from wt_nccl import NCCLTrainerInitInfo
-    from weight_transfer.kits.group.stateless import free_port
+    from wt_kits.group.stateless import free_port
     world = 1 + int(workers)
     info = NCCLTrainerInitInfo("127.0.0.1", free_port(), world, rank=0, device="cpu", **wire)
 else:

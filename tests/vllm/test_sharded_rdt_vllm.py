@@ -180,7 +180,7 @@ def test_fsdp2_ranks_sync_live_engines_from_their_own_shards(
     shards: no rank gathers, and the engines generate what fresh ones loaded from
     the target checkpoint do."""
     from tests.backends.sharded_rdt.ray_parts import FsdpRank
-    from weight_transfer.kits.group import free_port
+    from wt_kits.group import free_port
 
     def weights(seed: int) -> Any:  # the tiny Llama's tensors, through Ray's object store
         return ray.put({n: p.detach() for n, p in hf_model(seed).named_parameters()})

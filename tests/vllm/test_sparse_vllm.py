@@ -154,7 +154,7 @@ def sparse_served(
     from vllm.config import WeightTransferConfig
 
     from weight_transfer import LocalVLLMWeightSyncClient, WeightTransferTrainerFactory
-    from weight_transfer.kits.group.stateless import free_port
+    from wt_kits.group.stateless import free_port
     from wt_sparse_nccl import SparseNCCLTrainerInitInfo
 
     base = tiny_dirs[INITIAL_SEED]

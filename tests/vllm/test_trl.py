@@ -29,8 +29,8 @@ from tests.vllm.conftest import (
     hf_model,
     require_backend,
 )
-from weight_transfer.kits.group.stateless import free_port
 from weight_transfer.runtime.hooks import hookimpl, plugin_manager, register_hooks
+from wt_kits.group.stateless import free_port
 
 pytest.importorskip("vllm")
 pytest.importorskip("trl")

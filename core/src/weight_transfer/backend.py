@@ -5,7 +5,7 @@ engine (its receive step). Core owns the rest: the round on both sides, the
 transaction around the model, one trainer per engine, re-admission, the
 control protocol; `weight_transfer.runtime` keeps all of that, is private to
 wt-core, and needs no reading to write a backend. A backend imports from this
-module and from the kits (`weight_transfer.kits.*`: groups, bucketed
+module and from the kits (`wt_kits.*`: groups, bucketed
 streaming, colocated shared memory, slices, bounded waits), nothing else of
 wt-core (`tests/core/test_layers.py` holds every first-party backend to it).
 

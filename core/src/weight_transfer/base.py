@@ -87,7 +87,10 @@ class VLLMWeightSyncClient(Protocol):
     """The four calls a trainer engine makes on the inference side.
 
     An implementation reaches every inference worker, blocks until all of them
-    are done, and raises when any of them fails.
+    are done, and raises when any of them fails. A trainer engine sees the
+    caller's client through `RoundClient` (`self.client`), whose
+    `update_weights` does not block: it returns while the call is in flight,
+    so the backend transmits while the workers receive.
     """
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...

@@ -14,7 +14,6 @@ from tests.harness import (
     WorkerPool,
     WorkerSpec,
     _serve,
-    digest,
     worker_context,
 )
 from weight_transfer.runtime.control import SEAL_FIELD, ControlKey
@@ -35,11 +34,6 @@ def mapped_segments(pid: int) -> set[str]:
             for line in f
             if len(line.split()) > 5 and "/dev/shm/wt-" in line
         }
-
-
-def weights(pool: WorkerPool) -> list[dict[str, str]]:
-    """Every worker's parameters, as bit-exact fingerprints."""
-    return [{n: digest(t) for n, t in sd.items()} for sd in pool.each("state_dict")]
 
 
 class Tampering(RecordingClient):

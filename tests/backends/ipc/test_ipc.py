@@ -27,6 +27,7 @@ from tests.harness import (
     WorkerPool,
     assert_received,
     digest,
+    ipc_trainer,
 )
 from tests.sources import (
     DictSource,
@@ -35,10 +36,10 @@ from tests.sources import (
     mixed_tensors,
 )
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.kits.colocated import SharedSegment
-from weight_transfer.kits.group import free_port
 from wt_ipc import IPCTrainerInitInfo
 from wt_ipc.protocol import SEAL_BYTES
+from wt_kits.colocated import SharedSegment
+from wt_kits.group import free_port
 
 WORKERS = 2
 MODEL = "tests.backends.ipc.models:mixed_model"
@@ -50,13 +51,7 @@ def pool() -> Iterator[WorkerPool]:
         yield p
 
 
-def connect(pool: WorkerPool, source: Any, client: Any = None, **wire: Any) -> Any:
-    wire.setdefault("timeout_s", 30.0)
-    wire.setdefault("num_workers", len(pool.processes))
-    info = IPCTrainerInitInfo(rank=0, **wire)
-    return WeightTransferTrainerFactory.trainer_init(
-        info, client=client or pool.client(), source=source
-    )
+connect = ipc_trainer
 
 
 def test_tensor_larger_than_a_buffer_is_split_and_reassembled(pool: WorkerPool) -> None:
@@ -109,7 +104,7 @@ def one_worker() -> Iterator[WorkerPool]:
 def foreign_segment() -> Iterator[str]:
     """A wt segment that another process (not the trainer) owns."""
     code = (
-        "import sys; from weight_transfer.kits.colocated import SharedSegment; "
+        "import sys; from wt_kits.colocated import SharedSegment; "
         "s = SharedSegment.create(1 << 20); print(s.name, flush=True); sys.stdin.read(); "
         "s.close()"
     )
@@ -257,7 +252,13 @@ def test_num_workers_must_match_the_workers_that_attach(pool: WorkerPool) -> Non
 def test_a_hundred_syncs_leave_dev_shm_and_descriptors_as_they_were(pool: WorkerPool) -> None:
     tensors = mixed_tensors(8)
     pool.each("set_names", list(tensors))
-    shm_before = our_segments()
+    # this test's processes only: another xdist worker's ipc tests make segments meanwhile
+    pids = [os.getpid(), *(p.pid for p in pool.processes)]
+
+    def ours() -> list[str]:
+        return sorted(name for pid in pids for name in our_segments(pid))
+
+    shm_before = ours()
     engine = connect(pool, DictSource(tensors), packed_buffer_size_bytes=4096)
     engine.send_weights()
     gc.collect()  # what earlier tests left for the collector is not this engine's
@@ -269,9 +270,9 @@ def test_a_hundred_syncs_leave_dev_shm_and_descriptors_as_they_were(pool: Worker
     # a leak of one per sync would be 99; other tests' threads in this process may hold
     # a few for a moment
     assert len(os.listdir("/proc/self/fd")) - fds_after_first < 10
-    assert our_segments() == shm_before
+    assert ours() == shm_before
     engine.shutdown()
-    assert our_segments() == shm_before
+    assert ours() == shm_before
 
 
 # --- a 2-rank trainer: every rank materializes, only rank 0 writes the staging

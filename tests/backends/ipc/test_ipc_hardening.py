@@ -25,28 +25,22 @@ from tests.backends.ipc.helpers import (
     mapped_segments,
     our_segments,
     start_worker,
-    weights,
 )
 from tests.backends.ipc.models import BIG
-from tests.harness import FanoutClient, WorkerPool, digest
+from tests.harness import FanoutClient, WorkerPool, digest, ipc_trainer, weights
 from tests.sources import DictSource, mixed_tensors
-from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.kits.colocated import SharedSegment
-from weight_transfer.kits.stream import WireParams
-from wt_ipc import IPCTrainerInitInfo
+from weight_transfer import WeightSyncRPCError
 from wt_ipc.planes import TrainerStaging
 from wt_ipc.protocol import StagingSeal
+from wt_kits.colocated import SharedSegment
+from wt_kits.stream import WireParams
 
 MODEL = "tests.backends.ipc.models:mixed_model"
 BUFFER = 4096
 
 
 def connect(pool: WorkerPool, source: Any, client: Any, **wire: Any) -> Any:
-    wire.setdefault("timeout_s", 30.0)
-    wire.setdefault("num_workers", len(pool.processes))
-    wire.setdefault("packed_buffer_size_bytes", BUFFER)
-    info = IPCTrainerInitInfo(rank=0, **wire)
-    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    return ipc_trainer(pool, source, client, **{"packed_buffer_size_bytes": BUFFER, **wire})
 
 
 def fingerprints(tensors: dict[str, torch.Tensor]) -> dict[str, str]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.backends.ipc.models import BIG, module_of
-from tests.harness import WorkerPool, digest
+from tests.harness import WorkerPool, digest, ipc_trainer, weights
 from tests.sources import DictSource, mixed_tensors
 from weight_transfer import (
     WeightSyncRPCError,
@@ -20,21 +20,15 @@ from weight_transfer import (
     WorkerPosition,
     WorkerSession,
 )
-from weight_transfer.kits.stream import LoadFailed
-from weight_transfer.kits.stream.digests import RECEIVE_HOOKS
+from weight_transfer.testing.seams import on_bucket_landed
 from wt_ipc import IPCTrainerInitInfo
+from wt_kits.stream import LoadFailed
 
 MODEL = "tests.backends.ipc.models:mixed_model"
 
 
 def connect(pool: WorkerPool, source: Any, **wire: Any) -> Any:
-    wire.setdefault("timeout_s", 30.0)
-    info = IPCTrainerInitInfo(rank=0, num_workers=len(pool.processes), verify=True, **wire)
-    return WeightTransferTrainerFactory.trainer_init(info, client=pool.client(), source=source)
-
-
-def weights(pool: WorkerPool) -> list[dict[str, str]]:
-    return [{n: digest(t) for n, t in sd.items()} for sd in pool.each("state_dict")]
+    return ipc_trainer(pool, source, verify=True, **wire)
 
 
 def test_buffers_too_small_for_a_digest_room_are_refused_naming_the_field() -> None:
@@ -109,12 +103,11 @@ def test_three_words_changed_by_plus_one_minus_two_plus_one_refuse_the_round() -
             words[5:8] += torch.tensor([1, -2, 1], dtype=torch.int32)
 
     where = rf"bucket {k} of {len(plan.buckets)}: parameter {name!r} \(bytes {piece.start}\.\."
-    RECEIVE_HOOKS.append(plus_one_minus_two_plus_one)
-    try:
-        with pytest.raises(LoadFailed, match=where) as err:  # in-process: core's own error
-            engine.send_weights()
-    finally:
-        RECEIVE_HOOKS.remove(plus_one_minus_two_plus_one)
+    with (
+        on_bucket_landed(plus_one_minus_two_plus_one),
+        pytest.raises(LoadFailed, match=where) as err,  # in-process: core's own error
+    ):
+        engine.send_weights()
     assert "arrived different" in str(err.value)
     assert {n: digest(p) for n, p in model.named_parameters()} == before  # rolled back
 

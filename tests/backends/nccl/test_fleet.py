@@ -25,7 +25,7 @@ from weight_transfer import (
     WorkerPosition,
     WorkerSession,
 )
-from weight_transfer.kits.group.stateless import free_port
+from wt_kits.group.stateless import free_port
 from wt_nccl import NCCLTrainerInitInfo
 from wt_nccl.worker import NCCLWorkerEngine
 

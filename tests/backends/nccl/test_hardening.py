@@ -15,9 +15,9 @@ import pytest
 from tests.harness import WorkerPool, digest
 from tests.sources import DictSource, mixed_tensors
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.kits.group import free_port
-from weight_transfer.kits.group.auth import new_secret
 from weight_transfer.payload import WIRE_PROTOCOL_VERSION
+from wt_kits.group import free_port
+from wt_kits.group.auth import new_secret
 from wt_nccl import NCCLTrainerInitInfo
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import ForbiddenClient, WorkerPool, assert_received, digest
+from tests.harness import ForbiddenClient, WorkerPool, assert_received, digest, nccl_trainer
 from tests.sources import (
     DictSource,
     DisagreeingSource,
@@ -18,7 +18,7 @@ from tests.sources import (
     mixed_tensors,
 )
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.kits.group.stateless import free_port
+from wt_kits.group.stateless import free_port
 from wt_nccl import NCCLTrainerInitInfo
 
 WORKERS = 2
@@ -30,10 +30,7 @@ def pool() -> Any:
         yield p
 
 
-def connect(pool: WorkerPool, source: Any, **wire: Any) -> Any:
-    wire.setdefault("timeout_s", 30.0)
-    info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 1 + WORKERS, rank=0, **wire)
-    return WeightTransferTrainerFactory.trainer_init(info, client=pool.client(), source=source)
+connect = nccl_trainer
 
 
 @pytest.mark.parametrize("packed", [True, False])

@@ -16,8 +16,8 @@ from tests.harness import RecordingClient, WorkerPool, digest
 from tests.sources import DictSource, mixed_tensors
 from tests.stray import Stray
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.kits.group import free_port
 from weight_transfer.payload import WIRE_PROTOCOL_VERSION
+from wt_kits.group import free_port
 from wt_nccl import NCCLTrainerInitInfo
 
 

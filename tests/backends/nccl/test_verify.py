@@ -9,25 +9,16 @@ from typing import Any
 import pytest
 
 from tests.backends.ipc.models import BIG
-from tests.harness import WorkerPool, digest
+from tests.harness import WorkerPool, digest, nccl_trainer, weights
 from tests.sources import DictSource, mixed_tensors
-from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.kits.group.stateless import free_port
-from wt_nccl import NCCLTrainerInitInfo
+from weight_transfer import WeightSyncRPCError
 
 WORKERS = 2
 MODEL = "tests.backends.ipc.models:mixed_model"
 
 
 def connect(pool: WorkerPool, source: Any, **wire: Any) -> Any:
-    wire.setdefault("timeout_s", 30.0)
-    n = len(pool.processes)
-    info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 1 + n, rank=0, verify=True, **wire)
-    return WeightTransferTrainerFactory.trainer_init(info, client=pool.client(), source=source)
-
-
-def weights(pool: WorkerPool) -> list[dict[str, str]]:
-    return [{n: digest(t) for n, t in sd.items()} for sd in pool.each("state_dict")]
+    return nccl_trainer(pool, source, verify=True, **wire)
 
 
 @pytest.fixture(scope="module")

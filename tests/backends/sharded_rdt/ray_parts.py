@@ -79,11 +79,11 @@ class Consumer:
 
     def corrupt(self, name: str | None, at: int = 5) -> int:
         """Flip byte `at` of `name`'s first slice in every pull of it this worker lands,
-        before the pull is checked (core's test-only `RECEIVE_HOOKS`, in this process);
+        before the pull is checked (`weight_transfer.testing.seams`, in this process);
         returns the pull's index. `None` removes the hook."""
-        from weight_transfer.kits.stream.digests import RECEIVE_HOOKS
+        from weight_transfer.testing.seams import install_bucket_hook
 
-        RECEIVE_HOOKS.clear()  # this worker's process: only this method installs hooks
+        install_bucket_hook(None)  # this worker's process: only this method installs hooks
         if name is None:
             return -1
         plan = self.engine.plan
@@ -94,7 +94,7 @@ class Consumer:
             if k == chunk.index:
                 buf[offset] ^= 0xFF
 
-        RECEIVE_HOOKS.append(flip)
+        install_bucket_hook(flip)
         return int(chunk.index)
 
     def round_open(self) -> bool:

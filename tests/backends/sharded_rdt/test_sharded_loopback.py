@@ -29,9 +29,9 @@ from tests.backends.sharded_rdt.models import (
 )
 from tests.sources import DictSource
 from weight_transfer import layerwise_groups
-from weight_transfer.kits.stream.digests import RECEIVE_HOOKS
 from weight_transfer.runtime.control import ControlRefused, with_control_key
 from weight_transfer.runtime.worker_round import guarded
+from weight_transfer.testing.seams import on_bucket_landed
 from wt_sharded_rdt.protocol import ShardedRDTUpdateInfo
 
 pytestmark = pytest.mark.timeout(120)
@@ -401,8 +401,8 @@ def test_a_plain_module_with_an_empty_parameter(shards: Any) -> None:
 @contextlib.contextmanager
 def corrupting(engine: Any, name: str, at: int = 5) -> Iterator[int]:
     """Flip byte `at` of `name`'s first slice in every blob of `name` that `engine`
-    receives, after it landed and before it is checked (core's test-only
-    `RECEIVE_HOOKS`, run by the consumer on each landed pull); yields the pull's index."""
+    receives, after it landed and before it is checked (`on_bucket_landed`, run
+    by the consumer on each landed pull); yields the pull's index."""
     assert engine.plan is not None
     chunk = next(c for c in engine.plan.chunks if any(k[0] == name for k in c.keys))
     offset = chunk.offsets[[k[0] for k in chunk.keys].index(name)] + at
@@ -412,11 +412,8 @@ def corrupting(engine: Any, name: str, at: int = 5) -> Iterator[int]:
         if k == chunk.index and buf.data_ptr() in slots:  # this consumer's pull only
             buf[offset] ^= 0xFF
 
-    RECEIVE_HOOKS.append(flip)
-    try:
+    with on_bucket_landed(flip):
         yield chunk.index
-    finally:
-        RECEIVE_HOOKS.remove(flip)
 
 
 def test_verified_sync_refuses_a_corrupted_pull_and_keeps_every_weight(shards: Any) -> None:

@@ -267,7 +267,7 @@ def test_fsdp2_ranks_send_their_own_shards_without_gathering(cluster: Any) -> No
     over loopback: `test_local_shards.py`.)"""
     world, dim, tp = 4, 1, 2
     from tests.backends.sharded_rdt.ray_parts import FsdpRank
-    from weight_transfer.kits.group import free_port
+    from wt_kits.group import free_port
 
     actors = consumers(cluster, tp)
     client = ActorsClient(actors)

@@ -13,8 +13,8 @@ from tests.backends.sharded_rdt.models import ShardedModel, checkpoint
 from weight_transfer import ParamMeta, layerwise_groups
 from weight_transfer.backend import DirectLoader, payload_of
 from weight_transfer.base import Shard
-from weight_transfer.kits.slices import Scatter
-from weight_transfer.kits.stream import digest
+from wt_kits.slices import Scatter
+from wt_kits.stream import digest
 from wt_sharded_rdt.producer import Producer, ProducerError
 from wt_sharded_rdt.protocol import (
     Router,

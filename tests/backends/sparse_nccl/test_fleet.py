@@ -36,7 +36,7 @@ from weight_transfer import (
     WorkerPosition,
     WorkerSession,
 )
-from weight_transfer.kits.group import free_port
+from wt_kits.group import free_port
 from wt_sparse_nccl import SparseNCCLTrainerEngine, SparseNCCLTrainerInitInfo, SparseWeightPatch
 from wt_sparse_nccl.worker import SparseNCCLWorkerEngine
 

@@ -23,9 +23,9 @@ from tests.backends.sparse_nccl.helpers import (
 from tests.backends.sparse_nccl.models import initial_state
 from tests.harness import WorkerPool
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.kits.group import free_port
 from weight_transfer.runtime.hooks import hookimpl, plugin_manager, register_hooks
 from weight_transfer.runtime.waiting import TransferTimeout
+from wt_kits.group import free_port
 from wt_sparse_nccl import (
     SparseNCCLTrainerEngine,
     SparseNCCLTrainerInitInfo,

@@ -1,7 +1,7 @@
 """`sparse_nccl` with verified bytes (`verify=True`): every wire group is followed by the
 digests of its members, which each worker checks before it applies anything. Workers
 are `WorkerPool` processes; a byte is flipped in transit through core's test-only
-receive hook (`RECEIVE_HOOKS`)."""
+receive hook (`weight_transfer.testing.seams`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.backends.sparse_nccl.helpers import (
 )
 from tests.harness import WorkerPool
 from weight_transfer import WeightSyncRPCError, WeightTransferTrainerFactory
-from weight_transfer.kits.group import free_port
+from wt_kits.group import free_port
 from wt_sparse_nccl import SparseNCCLTrainerEngine, SparseNCCLTrainerInitInfo, SparseWeightPatch
 from wt_sparse_nccl.wire import update_info_of, wire_groups
 

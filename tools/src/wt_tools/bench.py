@@ -89,8 +89,8 @@ def live(layers: int, repeats: int, work: str) -> dict[str, Any]:
 
     from weight_transfer import LocalVLLMWeightSyncClient, ModuleSource
     from weight_transfer.factory import WeightTransferTrainerFactory
-    from weight_transfer.kits.group.stateless import free_port
     from wt_ipc import IPCTrainerInitInfo
+    from wt_kits.group.stateless import free_port
     from wt_nccl import NCCLTrainerInitInfo
     from wt_sharded_rdt import ShardedRDTTrainerInitInfo
     from wt_tools.sharded_bench import measure

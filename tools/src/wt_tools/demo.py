@@ -151,7 +151,7 @@ def train_step(model: Any, optimizer: Any, batch: torch.Tensor) -> float:
 def trainer_init_info(backend: str, device: str, scratch: str, timeout_s: float) -> Any:
     """The backend's trainer init info, filled from its usual fields (see module doc)."""
     from weight_transfer import WeightTransferTrainerFactory
-    from weight_transfer.kits.group.stateless import free_port
+    from wt_kits.group.stateless import free_port
 
     engine_cls = WeightTransferTrainerFactory.get_engine_class(backend)
     info_cls: Any = getattr(engine_cls, "init_info_cls", None)

@@ -31,7 +31,7 @@ BUCKETS: dict[str, tuple[int, int, torch.dtype]] = {
 def _bucket(count: int, numel: int, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
     """A one-bucket plan of `count` tensors and random bytes for it on `device`."""
     from weight_transfer.backend import ParamMeta
-    from weight_transfer.kits.stream import plan_buckets
+    from wt_kits.stream import plan_buckets
 
     metas = [ParamMeta(f"layers.0.p{i}", dtype, (numel,)) for i in range(count)]
     nbytes = sum(m.nbytes for m in metas) * 2
@@ -53,7 +53,7 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
 
 def _medians(plan: Any, buf: torch.Tensor, repeats: int) -> dict[str, float]:
     """Median seconds of a copy of `buf` and of its digests, interleaved after a warm-up."""
-    from weight_transfer.kits.stream import BucketDigests
+    from wt_kits.stream import BucketDigests
 
     copy = torch.empty_like(buf)
     digests = BucketDigests(plan)

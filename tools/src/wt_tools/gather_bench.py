@@ -25,7 +25,7 @@ __all__ = ["measure"]
 def measure(
     ranks: int = 2, layers: int = 8, hidden: int = 1024, repeats: int = 3
 ) -> dict[str, Any]:
-    from weight_transfer.kits.group import free_port
+    from wt_kits.group import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")

@@ -50,7 +50,7 @@ def _median(fn: Callable[[], Any], repeats: int) -> float:
 def _layout_case(name: str, layout: Any, repeats: int) -> dict[str, Any]:
     from weight_transfer.backend import checked_iteration
     from weight_transfer.factory import WeightTransferTrainerFactory
-    from weight_transfer.kits.stream import Packer, RotatingBuffers, WireParams
+    from wt_kits.stream import Packer, RotatingBuffers, WireParams
     from wt_tools.scenarios import TensorSource, _random_tensors
     from wt_tools.workers import WorkerProcesses, checksum
 
@@ -94,7 +94,7 @@ def _layout_case(name: str, layout: Any, repeats: int) -> dict[str, Any]:
             raise RuntimeError(f"{name}: wt_ipc delivered different bytes")
         trainer.shutdown()
     if torch.cuda.device_count() >= 2:
-        from weight_transfer.kits.group.stateless import free_port
+        from wt_kits.group.stateless import free_port
         from wt_nccl import NCCLTrainerInitInfo
 
         with WorkerProcesses(layout, 1, device="cuda:1") as workers:

@@ -42,9 +42,9 @@ def measure(label: str, spec: Any, repeats: int, work: str) -> dict[str, Any]:
     from vllm.lora.request import LoRARequest
 
     from weight_transfer import LocalVLLMWeightSyncClient, LoRASource, WeightTransferTrainerFactory
-    from weight_transfer.kits.group import free_port
     from weight_transfer.runtime.hooks import hookimpl, plugin_manager, register_hooks
     from weight_transfer.vllm.adapters import lora_request
+    from wt_kits.group import free_port
     from wt_nccl import NCCLTrainerInitInfo
     from wt_tools.tiny_model import ENGINE_KWARGS, build_tiny_llama, tiny_llama
 

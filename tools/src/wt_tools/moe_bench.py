@@ -60,7 +60,7 @@ def _greedy(llm: Any) -> list[int]:
 
 def _trainer(backend: str, llm: Any, source: Any) -> Any:
     from weight_transfer import LocalVLLMWeightSyncClient, WeightTransferTrainerFactory
-    from weight_transfer.kits.group.stateless import free_port
+    from wt_kits.group.stateless import free_port
 
     info: Any
     if backend == "nccl":

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from weight_transfer import WeightSource
-from weight_transfer.kits.stream import PlanCache, RotatingBuffers, WireParams
 from weight_transfer.testing.models import TensorSource
+from wt_kits.stream import PlanCache, RotatingBuffers, WireParams
 from wt_tools.workers import LayoutEntry, WorkerProcesses, checksum, peak_rss_bytes, reset_peak_rss
 
 __all__ = ["Scenario", "dense_layout", "moe_layout", "run_scenario", "scenarios_for"]
@@ -173,7 +173,7 @@ def _trainer_dry_pass(source: WeightSource, buffers: Any, plans: Any) -> None:
     into `buffers` (a `RotatingBuffers` reused round after round, as the engine's are),
     by the layout `plans` (a `PlanCache`) keeps."""
     from weight_transfer.backend import checked_iteration
-    from weight_transfer.kits.stream import Packer
+    from wt_kits.stream import Packer
 
     metas = source.metadata()
     plan = plans(metas)
@@ -186,8 +186,8 @@ def _trainer_dry_pass(source: WeightSource, buffers: Any, plans: Any) -> None:
 def _connect(mode: str, workers: WorkerProcesses, n: int, source: WeightSource) -> tuple[Any, int]:
     """The trainer engine of `mode` and its configured staging bytes."""
     from weight_transfer.factory import WeightTransferTrainerFactory
-    from weight_transfer.kits.group.stateless import free_port
-    from weight_transfer.kits.stream import WireParams
+    from wt_kits.group.stateless import free_port
+    from wt_kits.stream import WireParams
 
     info: Any
     staging = 0
@@ -233,9 +233,9 @@ class _BareBroadcast:
     def __init__(self, workers: WorkerProcesses, nbytes: int) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from weight_transfer.kits.group import StatelessGroup
-        from weight_transfer.kits.group.auth import new_secret
-        from weight_transfer.kits.group.stateless import free_port
+        from wt_kits.group import StatelessGroup
+        from wt_kits.group.auth import new_secret
+        from wt_kits.group.stateless import free_port
 
         self.workers, self.nbytes = workers, nbytes
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="wt-bench-bare")

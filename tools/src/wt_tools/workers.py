@@ -95,8 +95,8 @@ def _serve(
         WorkerSession,
     )
     from weight_transfer.backend import DirectLoader
-    from weight_transfer.kits.group import StatelessGroup
     from weight_transfer.loading import register_loader_provider
+    from wt_kits.group import StatelessGroup
 
     model = build_target(layout, device)
     register_loader_provider(lambda m, _: DirectLoader(m, undo=False) if m is model else None)

@@ -139,6 +139,9 @@ class RoundClient:
         abort_round(self.inner.update_weights, reason, self.control.sign)
 
     def update_weights(self, update_info: Any) -> None:
+        """Does not block on the workers: waits for the previous update (bounded),
+        starts the caller's blocking `update_weights` on a thread and returns;
+        `wait_update()` (and the next call) block for it."""
         self.wait_update()
         signed = self.control.sign(update_info)
         self.pending = in_background(

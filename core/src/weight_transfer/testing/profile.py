@@ -71,5 +71,5 @@ STREAM_WIRE_MODES: Mapping[str, Mapping[str, Any]] = {
     "verified-unpacked": {"packed": False, "packed_buffer_size_bytes": 2048, "verify": True},
 }  # fmt: skip
 """The wire modes of a backend whose trainer init info carries the stream kit's
-`WireParams` (`weight_transfer.kits.stream`): packed, unpacked, small buffers,
+`WireParams` (`wt_kits.stream`): packed, unpacked, small buffers,
 one buffer, and verified bytes."""

@@ -242,21 +242,16 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
         threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
 
-_CORRUPTOR: list[Any] = []
-
-
 def corrupt_received(
     bucket: int | None, at: int = 0, mask: int = 0xFF, add: list[int] | None = None
 ) -> None:
     """Flip byte `at` (xor `mask`) of bucket `bucket` as this process receives it, or with
     `add`, add `add[i]` to the 32-bit word at byte `at + 4 i` (`at` a multiple of 4),
-    through core's test-only transport hook (`digest.RECEIVE_HOOKS`); `None` removes it."""
-    from weight_transfer.kits.stream.digests import RECEIVE_HOOKS
+    (`seams.install_bucket_hook`); `None` removes it."""
+    from weight_transfer.testing.seams import install_bucket_hook
 
-    for hook in _CORRUPTOR:
-        RECEIVE_HOOKS.remove(hook)
-    _CORRUPTOR.clear()
     if bucket is None:
+        install_bucket_hook(None)
         return
 
     def flip(k: int, buf: torch.Tensor) -> None:
@@ -268,8 +263,7 @@ def corrupt_received(
             words = buf[at : at + 4 * len(add)].view(torch.int32)
             words += torch.tensor(add, dtype=torch.int32, device=buf.device)
 
-    RECEIVE_HOOKS.append(flip)
-    _CORRUPTOR.append(flip)
+    install_bucket_hook(flip)
 
 
 def _digest(t: torch.Tensor) -> str:

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from weight_transfer.backend import parse_payload, payload_of
-from weight_transfer.kits.colocated import SharedSegment
-from weight_transfer.kits.stream import RotatingBuffers
 from wt_ipc.protocol import SEAL_BYTES, StagingSeal
+from wt_kits.colocated import SharedSegment
+from wt_kits.stream import RotatingBuffers
 
 __all__ = ["TrainerStaging", "WorkerStaging", "CudaRecord", "device_uuid", "local_cuda_index"]
 

@@ -58,8 +58,8 @@ from weight_transfer.backend import (
     check_int_range,
     check_timeout,
 )
-from weight_transfer.kits.colocated import RELEASED
-from weight_transfer.kits.stream import (
+from wt_kits.colocated import RELEASED
+from wt_kits.stream import (
     BucketPlan,
     DigestRoom,
     WireParams,

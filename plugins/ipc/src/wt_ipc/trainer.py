@@ -53,17 +53,6 @@ from weight_transfer.backend import (
     payload_of,
     trainer_device,
 )
-from weight_transfer.kits.channel import GroupChannel
-from weight_transfer.kits.colocated import Credits, Frame, LinkClosed, LocalLink, LocalListener
-from weight_transfer.kits.stream import (
-    BucketDigests,
-    Packer,
-    PlanCache,
-    RotatingBuffers,
-    SendWindow,
-    WireParams,
-)
-from weight_transfer.kits.waits import PEER_GRACE_S, in_background
 from wt_ipc.planes import TrainerStaging
 from wt_ipc.protocol import (
     ABORT,
@@ -77,6 +66,17 @@ from wt_ipc.protocol import (
     digest_room,
     plan_for,
 )
+from wt_kits.channel import GroupChannel
+from wt_kits.colocated import Credits, Frame, LinkClosed, LocalLink, LocalListener
+from wt_kits.stream import (
+    BucketDigests,
+    Packer,
+    PlanCache,
+    RotatingBuffers,
+    SendWindow,
+    WireParams,
+)
+from wt_kits.waits import PEER_GRACE_S, in_background
 
 __all__ = ["IPCTrainerInitInfo", "IPCTrainerEngine"]
 

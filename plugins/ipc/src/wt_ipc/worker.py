@@ -41,9 +41,6 @@ from weight_transfer.backend import (
     check_declared,
     param_list_digests,
 )
-from weight_transfer.kits.channel import GroupChannel
-from weight_transfer.kits.colocated import RELEASED, Frame, LinkClosed, LocalLink, connect_local
-from weight_transfer.kits.stream import BucketPlan, LoadFailed, LoadPipeline, Unpacker, WireParams
 from wt_ipc.planes import WorkerStaging
 from wt_ipc.protocol import (
     ABORT,
@@ -58,6 +55,9 @@ from wt_ipc.protocol import (
     digest_room,
     plan_for,
 )
+from wt_kits.channel import GroupChannel
+from wt_kits.colocated import RELEASED, Frame, LinkClosed, LocalLink, connect_local
+from wt_kits.stream import BucketPlan, LoadFailed, LoadPipeline, Unpacker, WireParams
 
 __all__ = ["IPCWorkerEngine"]
 

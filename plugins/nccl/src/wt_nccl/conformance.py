@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from weight_transfer.kits.group import free_port
 from weight_transfer.testing.profile import STREAM_WIRE_MODES, Profile
+from wt_kits.group import free_port
 
 
 def trainer_info(

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from weight_transfer.backend import PARAM_LIST_FIELDS, ParamListUpdateInfo, ParamMeta
-from weight_transfer.kits.group import GroupInitInfo
-from weight_transfer.kits.stream import Bucket, BucketPlan, Piece, WireParams
+from wt_kits.group import GroupInitInfo
+from wt_kits.stream import Bucket, BucketPlan, Piece, WireParams
 
 __all__ = [
     "NCCLWorkerInitInfo",

@@ -33,9 +33,9 @@ from weight_transfer.backend import (
     param_list_payload,
     payload_of,
 )
-from weight_transfer.kits.channel import GroupChannel
-from weight_transfer.kits.group import GroupTrainerFields, StatelessGroup, trainer_rendezvous
-from weight_transfer.kits.stream import (
+from wt_kits.channel import GroupChannel
+from wt_kits.group import GroupTrainerFields, StatelessGroup, trainer_rendezvous
+from wt_kits.stream import (
     BucketDigests,
     Packer,
     PlanCache,
@@ -43,7 +43,7 @@ from weight_transfer.kits.stream import (
     SendWindow,
     as_bytes,
 )
-from weight_transfer.kits.waits import work_future
+from wt_kits.waits import work_future
 from wt_nccl.protocol import (
     HEADER_ABORT,
     HEADER_OK,

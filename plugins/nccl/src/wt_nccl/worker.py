@@ -36,9 +36,9 @@ from weight_transfer.backend import (
     host_memory_bytes,
     param_list_digests,
 )
-from weight_transfer.kits.channel import GroupChannel
-from weight_transfer.kits.group import StatelessGroup, join_group
-from weight_transfer.kits.stream import (
+from wt_kits.channel import GroupChannel
+from wt_kits.group import StatelessGroup, join_group
+from wt_kits.stream import (
     DIGEST_DTYPE,
     LoadFailed,
     LoadPipeline,

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from weight_transfer.backend import dtype_name
-from weight_transfer.kits.colocated import SharedSegment
-from weight_transfer.kits.slices import FetchKey
-from weight_transfer.kits.stream import aligned_layout
+from wt_kits.colocated import SharedSegment
+from wt_kits.slices import FetchKey
+from wt_kits.stream import aligned_layout
 from wt_sharded_rdt.transport import (
     ALIVE_TIMEOUT_S,
     CONTROL_TIMEOUT_S,

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from weight_transfer.backend import dtype_name
-from weight_transfer.kits.slices import FetchKey, apply_chain, describe_chain
+from wt_kits.slices import FetchKey, apply_chain, describe_chain
 from wt_sharded_rdt.protocol import blob_digests, blob_layout, digests_view
 
 __all__ = ["Producer", "ProducerError", "POLL_S"]

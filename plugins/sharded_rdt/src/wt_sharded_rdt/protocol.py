@@ -56,8 +56,8 @@ from weight_transfer.backend import (
     dtype_from_name,
     dtype_name,
 )
-from weight_transfer.kits.slices import FetchKey, Scatter, SliceRecord
-from weight_transfer.kits.stream import (
+from wt_kits.slices import FetchKey, Scatter, SliceRecord
+from wt_kits.stream import (
     DIGEST_DTYPE,
     Bucket,
     BucketDigests,

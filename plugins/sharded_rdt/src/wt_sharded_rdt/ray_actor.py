@@ -16,8 +16,8 @@ import ray
 import torch
 
 from weight_transfer.backend import dtype_from_name
-from weight_transfer.kits.colocated import SharedSegment
-from weight_transfer.kits.slices import FetchKey
+from wt_kits.colocated import SharedSegment
+from wt_kits.slices import FetchKey
 from wt_sharded_rdt.producer import Producer
 
 __all__ = ["ProducerActor", "RDTProducer"]

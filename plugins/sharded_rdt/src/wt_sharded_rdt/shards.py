@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from weight_transfer.backend import ParamMeta, Replicate, Shard
-from weight_transfer.kits.slices import (
+from wt_kits.slices import (
     Box,
     Chain,
     Op,

@@ -50,9 +50,9 @@ from weight_transfer.backend import (
     param_list_payload,
     payload_of,
 )
-from weight_transfer.kits.slices import local_box
-from weight_transfer.kits.stream import aligned_layout, first_non_finite
-from weight_transfer.kits.waits import PEER_GRACE_S, in_background, wait_for
+from wt_kits.slices import local_box
+from wt_kits.stream import aligned_layout, first_non_finite
+from wt_kits.waits import PEER_GRACE_S, in_background, wait_for
 from wt_sharded_rdt.links import host_producer, producer_client, ray_location
 from wt_sharded_rdt.producer import ProducerError
 from wt_sharded_rdt.protocol import (

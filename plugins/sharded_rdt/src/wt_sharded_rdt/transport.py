@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
-from weight_transfer.kits.slices import FetchKey
+from wt_kits.slices import FetchKey
 from wt_sharded_rdt.producer import Producer
 
 __all__ = [

@@ -59,9 +59,9 @@ from weight_transfer.backend import (
     WeightTransferEngine,
     param_list_digests,
 )
-from weight_transfer.kits.channel import GroupChannel
-from weight_transfer.kits.slices import SliceLoader, SliceRecord, describe_chain, record_slices
-from weight_transfer.kits.stream import BucketDigests, DigestMismatch, run_receive_hooks
+from wt_kits.channel import GroupChannel
+from wt_kits.slices import SliceLoader, SliceRecord, describe_chain, record_slices
+from wt_kits.stream import BucketDigests, DigestMismatch, bucket_landed
 from wt_sharded_rdt.links import producer_client
 from wt_sharded_rdt.protocol import (
     Chunk,
@@ -333,7 +333,7 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
             ) from error
         self.pulled_bytes += chunk.nbytes
         slot = chunk.index % len(self.slots)
-        run_receive_hooks(chunk.index, self.slots[slot][: chunk.nbytes])
+        bucket_landed(chunk.index, self.slots[slot][: chunk.nbytes])
         future = self._scatter.submit(self._apply, chunk, self.slots[slot], producer.name)
         slot_user[slot] = future
         self._scatters.append(future)

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from weight_transfer.kits.group import free_port
 from weight_transfer.testing.profile import Profile
+from wt_kits.group import free_port
 
 
 def trainer_info(

@@ -44,10 +44,10 @@ from weight_transfer.backend import (
     WeightSource,
     payload_of,
 )
-from weight_transfer.kits.channel import GroupChannel
-from weight_transfer.kits.group import GroupTrainerFields, StatelessGroup, trainer_rendezvous
-from weight_transfer.kits.stream import BucketDigests
-from weight_transfer.kits.waits import all_settle, work_future
+from wt_kits.channel import GroupChannel
+from wt_kits.group import GroupTrainerFields, StatelessGroup, trainer_rendezvous
+from wt_kits.stream import BucketDigests
+from wt_kits.waits import all_settle, work_future
 from wt_sparse_nccl.patch import SparseWeightPatch, check_patches
 from wt_sparse_nccl.wire import (
     BatchHeader,

@@ -49,8 +49,8 @@ from weight_transfer.backend import (
     dtype_from_name,
     dtype_name,
 )
-from weight_transfer.kits.group import GroupInitInfo
-from weight_transfer.kits.stream import Bucket, BucketPlan, Piece, aligned_layout, as_bytes
+from wt_kits.group import GroupInitInfo
+from wt_kits.stream import Bucket, BucketPlan, Piece, aligned_layout, as_bytes
 from wt_sparse_nccl.patch import INDEX_DTYPES, SparseWeightPatch
 
 __all__ = [

@@ -46,9 +46,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from weight_transfer.backend import WeightTransferEngine, host_memory_bytes, is_vllm_config
-from weight_transfer.kits.channel import GroupChannel
-from weight_transfer.kits.group import StatelessGroup, join_group
-from weight_transfer.kits.stream import DIGEST_DTYPE, RECEIVE_HOOKS, BucketDigests, DigestMismatch
+from wt_kits.channel import GroupChannel
+from wt_kits.group import StatelessGroup, join_group
+from wt_kits.stream import DIGEST_DTYPE, BucketDigests, DigestMismatch, bucket_landed
 from wt_sparse_nccl.patch import SparseWeightPatch, check_dtype, check_indices_of
 from wt_sparse_nccl.wire import (
     HEADER_WORDS,
@@ -338,8 +338,7 @@ class SparseNCCLWorkerEngine(WeightTransferEngine[SparseNCCLInitInfo, SparseNCCL
         for k, (nbytes, members) in enumerate(sent.groups):
             data = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
             group.wait(group.broadcast(data, src=0), f"wire group {k} of a sparse batch")
-            for hook in list(RECEIVE_HOOKS):  # test-only (core's digest module)
-                hook(k, data)
+            bucket_landed(k, data)
             digests = None
             if self.verify:
                 digests = torch.empty(members, 2, dtype=DIGEST_DTYPE, device=group.device)

@@ -1,4 +1,4 @@
-"""Kits: optional helpers a backend may build on. Nothing in the contract imports them.
+"""wt-kits: optional helpers a backend may build on. Nothing in wt-core imports them.
 
 - `kits.group`: a private process group between trainer rank 0 and the
   workers (`StatelessGroup`), its authenticated store, and the rendezvous

@@ -35,14 +35,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weight_transfer.kits.group.auth import check_secret
-from weight_transfer.kits.group.store import (
+from weight_transfer.runtime.waiting import CollectiveError, TransferTimeout, wait_work
+from wt_kits.group.auth import check_secret
+from wt_kits.group.store import (
     HANDSHAKE_TIMEOUT_S,
     RemoteStore,
     StoreServer,
     connect_store,
 )
-from weight_transfer.runtime.waiting import CollectiveError, TransferTimeout, wait_work
 
 __all__ = ["StatelessGroup", "Hosting", "free_port", "LIVENESS_PERIOD_S"]
 

@@ -71,10 +71,10 @@ corrupt bucket is loaded and the round fails (the engine rolls back).
 `ipc` wire): the tail of every buffer, after at most `max_pieces` pieces of
 bucket bytes; both ends derive it from the buffer size.
 
-Test-only transport hook: `RECEIVE_HOOKS`, a list of callables `hook(k,
-buf)` run by `LoadPipeline.received` right after bucket `k` landed in `buf`
-and before it is checked. Tests append a hook that changes bytes and remove
-it afterwards; production code never touches the list.
+`bucket_landed(k, buf)`: a receiver calls it right after bucket `k`'s bytes
+landed in `buf`, before any check (`LoadPipeline.received` does). It is the one
+point where fault injection (`weight_transfer.testing.seams`) sees the bytes on
+their way; without an injector installed it does nothing.
 """
 
 from __future__ import annotations
@@ -86,15 +86,14 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_transfer.kits.stream.packing import ALIGNMENT, Bucket, BucketPlan, as_bytes
+from wt_kits.stream.packing import ALIGNMENT, Bucket, BucketPlan, as_bytes
 
 __all__ = [
     "digest",
     "BucketDigests",
     "DigestMismatch",
     "DigestRoom",
-    "RECEIVE_HOOKS",
-    "run_receive_hooks",
+    "bucket_landed",
     "DIGEST_DTYPE",
 ]
 
@@ -114,13 +113,14 @@ def _window_words(device: torch.device) -> int:
     return WINDOW_WORDS if device.type == "cpu" else DEVICE_WINDOW_WORDS
 
 
-# Test-only: `hook(bucket_index, received_bytes)` after a bucket lands, before its check.
-RECEIVE_HOOKS: list[Callable[[int, torch.Tensor], None]] = []
+# Fault injectors, `hook(bucket_index, received_bytes)`: installed only by
+# `weight_transfer.testing.seams`.
+_LANDED: list[Callable[[int, torch.Tensor], None]] = []
 
 
-def run_receive_hooks(k: int, buf: torch.Tensor) -> None:
-    """Run the test-only `RECEIVE_HOOKS` on bucket `k`'s received bytes."""
-    for hook in list(RECEIVE_HOOKS):
+def bucket_landed(k: int, buf: torch.Tensor) -> None:
+    """Bucket `k`'s bytes landed in `buf` and are not checked yet (see the module doc)."""
+    for hook in list(_LANDED):
         hook(k, buf)
 
 

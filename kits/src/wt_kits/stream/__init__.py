@@ -8,16 +8,16 @@ checks each piece on the bytes' own device; `first_non_finite` finds a NaN or
 an infinity in a batch of tensors with one host read.
 """
 
-from weight_transfer.kits.stream.digests import (
+from weight_transfer.runtime.finite import first_non_finite
+from wt_kits.stream.digests import (
     DIGEST_DTYPE,
-    RECEIVE_HOOKS,
     BucketDigests,
     DigestMismatch,
     DigestRoom,
+    bucket_landed,
     digest,
-    run_receive_hooks,
 )
-from weight_transfer.kits.stream.packing import (
+from wt_kits.stream.packing import (
     Bucket,
     BucketPlan,
     Packer,
@@ -31,12 +31,10 @@ from weight_transfer.kits.stream.packing import (
     plan_buckets,
     plan_per_tensor,
 )
-from weight_transfer.kits.stream.window import LoadFailed, LoadPipeline, SendWindow
-from weight_transfer.runtime.finite import first_non_finite
+from wt_kits.stream.window import LoadFailed, LoadPipeline, SendWindow
 
 __all__ = [
     "DIGEST_DTYPE",
-    "RECEIVE_HOOKS",
     "Bucket",
     "BucketDigests",
     "BucketPlan",
@@ -57,5 +55,5 @@ __all__ = [
     "first_non_finite",
     "plan_buckets",
     "plan_per_tensor",
-    "run_receive_hooks",
+    "bucket_landed",
 ]

@@ -6,7 +6,7 @@ over a Unix socket whose peer is checked by the kernel; `Credits` turns the
 worker's `RELEASED` frames into futures the trainer waits on.
 """
 
-from weight_transfer.kits.colocated.link import (
+from wt_kits.colocated.link import (
     RELEASED,
     Credits,
     Frame,
@@ -15,7 +15,7 @@ from weight_transfer.kits.colocated.link import (
     LocalListener,
     connect_local,
 )
-from weight_transfer.kits.colocated.shm import SharedSegment
+from wt_kits.colocated.shm import SharedSegment
 
 __all__ = [
     "RELEASED",

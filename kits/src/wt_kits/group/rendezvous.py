@@ -22,14 +22,14 @@ from typing import Any, cast
 import torch
 
 from weight_transfer.base import VLLMWeightSyncClient, WeightTransferInitInfo
-from weight_transfer.kits.group.auth import check_secret, new_secret
-from weight_transfer.kits.group.stateless import Hosting, StatelessGroup
 from weight_transfer.payload import WireProtocolInfo
 from weight_transfer.position import WorkerPosition
 from weight_transfer.runtime.devices import device_name, trainer_device
 from weight_transfer.runtime.limits import check_int_range, check_timeout
 from weight_transfer.runtime.round_client import fleet_of
 from weight_transfer.runtime.waiting import in_background, wait_for
+from wt_kits.group.auth import check_secret, new_secret
+from wt_kits.group.stateless import Hosting, StatelessGroup
 
 __all__ = ["GroupTrainerFields", "GroupInitInfo", "trainer_rendezvous", "join_group"]
 

@@ -71,7 +71,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from weight_transfer.kits.group.auth import (
+from wt_kits.group.auth import (
     BUSY,
     FrameError,
     FrameRefused,

@@ -7,13 +7,13 @@ NCCL for CUDA ones) over an authenticated store that admits only workers
 proving the group's secret.
 """
 
-from weight_transfer.kits.group.rendezvous import (
+from wt_kits.group.rendezvous import (
     GroupInitInfo,
     GroupTrainerFields,
     join_group,
     trainer_rendezvous,
 )
-from weight_transfer.kits.group.stateless import StatelessGroup, free_port
+from wt_kits.group.stateless import StatelessGroup, free_port
 
 __all__ = [
     "GroupInitInfo",

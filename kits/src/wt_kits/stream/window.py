@@ -21,7 +21,7 @@ and waits for a running one, bounded, so a rollback never races a load.
 
 Verified bytes: `received(k, buf, unpacker, digests)` is the one call a
 receive loop makes per bucket. It runs the test-only receive hooks
-(`digests.RECEIVE_HOOKS`), unpacks and queues the load; with the trainer's
+(`digests.bucket_landed`), unpacks and queues the load; with the trainer's
 `digests` the queued task first checks the bucket's bytes in `buf`
 (`BucketDigests.check`) and loads nothing when they differ. `buf` is intact
 then, because the reuse rule waits for that very task before `buf` is
@@ -38,11 +38,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from weight_transfer.kits.stream.digests import BucketDigests, DigestMismatch, run_receive_hooks
-from weight_transfer.kits.stream.packing import RotatingBuffers, Unpacker
 from weight_transfer.rounds import AlignedFailure, Transfer
 from weight_transfer.runtime.phases import timed
 from weight_transfer.runtime.waiting import all_settle
+from wt_kits.stream.digests import BucketDigests, DigestMismatch, bucket_landed
+from wt_kits.stream.packing import RotatingBuffers, Unpacker
 
 __all__ = ["SendWindow", "LoadPipeline", "LoadFailed"]
 
@@ -145,7 +145,7 @@ class LoadPipeline:
         `digests` must not be reused by the caller (the check runs later, on
         the loader thread).
         """
-        run_receive_hooks(k, buf)
+        bucket_landed(k, buf)
         if self.failure is not None:
             self.submit([])
             return
