@@ -315,7 +315,7 @@ TUpdateInfo = TypeVar("TUpdateInfo", bound=WeightTransferUpdateInfo)
 
 
 class Channel(Protocol):
-    """The link a worker engine keeps to its trainer (`kits.channel.GroupChannel`):
+    """The link a worker engine keeps to its trainer (`wt_kits.channel.GroupChannel`):
     `require()` raises `ChannelDownError` when it cannot carry a round; `group`,
     when there is one, answers `trainer_alive()`."""
 
