@@ -142,7 +142,7 @@ def test_wire_protocol_missing_where_the_init_info_declares_it() -> None:
 
 
 def test_an_init_info_without_the_declaration_parses_spec_style_payloads() -> None:
-    # a trainer written against the spec alone ships only its own fields
+    # a trainer written against the contract alone ships only its own fields
     info = _engine().parse_init_info({"endpoint": "e", "chunk_bytes": 8})
     assert (info.endpoint, info.chunk_bytes) == ("e", 8)
     # a version that arrives anyway is still checked, then dropped

@@ -230,7 +230,7 @@ def test_round_client_waits_for_the_update_before_finish_and_raises_its_error() 
             self.calls.append("update")
             raise KeyError("worker 0: no parameter named 'z'")
 
-        def finish_weight_update(self) -> None:  # the spec's shape: no version argument
+        def finish_weight_update(self) -> None:  # the documented shape: no version argument
             self.calls.append("finish")
 
     inner = Slow()

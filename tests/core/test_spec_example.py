@@ -1,9 +1,9 @@
-"""The spec's custom trainer and worker engines, as a third-party distribution.
+"""The reference example (vLLM's documented custom engines), as a third-party distribution.
 
-`tests/spec_example` holds the two examples of the spec, changed only where
+`tests/spec_example` holds the two documented examples, changed only where
 the files say. They are laid out as an installed wheel (`wt-my-backend`, entry
 points in both groups), found by both factories, and sync bit-exactly into a
-real worker process (a `WorkerSession`, as vLLM's worker runs it). The spec's
+real worker process (a `WorkerSession`, as vLLM's worker runs it). The reference example's
 worker calls `self.model.load_weights` itself and never rolls anything back:
 core's transaction does, which a failing round shows.
 """
@@ -111,7 +111,7 @@ def test_syncs_bit_exactly_and_a_failed_round_leaves_the_model_as_it_was(
             _assert_same_bits(pool.each("state_dict")[0], _state(model))
 
         # The worker's load_weights raises at the last name, after copying all the
-        # others in place; the spec's engine does nothing about it.
+        # others in place; the reference example's engine does nothing about it.
         before = pool.each("state_dict")[0]
         changed = ExampleNet(seed=8)
         failing = _trainer(site, pool.client(), WithExtra(changed), tmp_path / "xfer")

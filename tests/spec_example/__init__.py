@@ -1,5 +1,5 @@
-"""The spec's custom trainer and worker engines, packaged by the tests as the
-throwaway distribution `wt-my-backend` (see `install_spec_example`)."""
+"""The reference example: vLLM's documented custom trainer and worker engines,
+packaged by the tests as the throwaway distribution `wt-my-backend` (see `install_spec_example`)."""
 
 from __future__ import annotations
 

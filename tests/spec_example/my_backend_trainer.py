@@ -1,7 +1,7 @@
-# The spec's "Implementing a Custom Trainer Engine", with these changes only:
+# vLLM's documented "Implementing a Custom Trainer Engine", with these changes only:
 # - imports: `vllm.distributed.weight_transfer.base` -> `weight_transfer.base`;
 # - the `... # transmit` placeholder is filled in (files in the endpoint directory);
-# - `# wt:` lines: the spec's handshake omits `endpoint`, which its own worker
+# - `# wt:` lines: the documented handshake omits `endpoint`, which its own worker
 #   info requires and its transmit needs (tests/core/test_spec_example.py shows
 #   the verbatim handshake refused, naming the field).
 from dataclasses import dataclass
@@ -19,7 +19,7 @@ from weight_transfer.base import (
 import os
 import torch
 
-SHIP_ENDPOINT = True  # wt: the tests turn it off to send the spec's handshake verbatim
+SHIP_ENDPOINT = True  # wt: the tests turn it off to send the documented handshake verbatim
 
 
 @dataclass

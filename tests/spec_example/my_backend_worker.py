@@ -1,9 +1,9 @@
-# The spec's "Implementing a Custom Engine" (steps 1 and 2), with these changes only:
+# vLLM's documented "Implementing a Custom Engine" (steps 1 and 2), with these changes only:
 # - imports: `vllm.distributed.weight_transfer.base` -> `weight_transfer.base`, and
-#   `import torch`, which the spec's snippet uses without importing;
+#   `import torch`, which the documented snippet uses without importing;
 # - the `...` in `init_transfer_engine` is filled in, and `_fetch_weight` (which
-#   the spec calls but does not show) is written: it reads the file the trainer's
-#   transmit writes. The other `...` bodies stay as the spec has them: the
+#   the documentation calls but does not show) is written: it reads the file the trainer's
+#   transmit writes. The other `...` bodies stay as the documentation has them: the
 #   transaction around the model is the base class's.
 from dataclasses import dataclass
 from weight_transfer.base import (

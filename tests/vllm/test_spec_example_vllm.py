@@ -1,9 +1,9 @@
-"""The spec's example backend (`tests/spec_example`) inside a live vLLM, as `wt_my_backend`.
+"""The reference example backend (`tests/spec_example`) inside a live vLLM, as `wt_my_backend`.
 
 The throwaway distribution is put on `sys.path`, wt's vLLM plugin registers it
 (`register()` picks up backends that appeared since vLLM loaded its plugins),
 and an in-process `LLM` created with `backend="wt_my_backend"` receives three
-rounds: greedy tokens and logprobs equal a fresh engine's. The spec's worker
+rounds: greedy tokens and logprobs equal a fresh engine's. The reference example's worker
 calls `self.model.load_weights` itself; the layerwise reload and the rollback
 around it are core's.
 """
@@ -74,7 +74,7 @@ def test_the_spec_example_syncs_into_a_live_vllm(
         trainer.send_weights()
         assert generate(llm) == references.outputs(seed), f"seed {seed}"
 
-    # vLLM's loader refuses a name half-way through; the spec's engine does
+    # vLLM's loader refuses a name half-way through; the reference example's engine does
     # nothing about it, and the model still serves seed 3's weights.
     down = "model.layers.1.mlp.down_proj.weight"
     model = hf_model(2)
