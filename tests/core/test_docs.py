@@ -49,7 +49,9 @@ _PATH = re.compile(r"^[\w./-]+\.(py|md|toml|json|yaml|yml|sh|txt|cfg)$")
 _DOTTED = re.compile(r"^(weight_transfer|wt_[a-z_]+)(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 _TEST_REF = re.compile(r"([\w/]*test_\w+\.py|weight_transfer[\w.]+)?::(test_\w+)")
 CONFORMANCE = ROOT / "core" / "src" / "weight_transfer" / "testing" / "conformance.py"
-_COUNT = re.compile(r"\b\d[\d,]*\s+(lines|modules|tests|passed|test modules)\b|^\|.*\| lines \|")
+_COUNT = re.compile(
+    r"\b\d[\d,]*\s+(lines|modules|tests|passed|test modules|names)\b|^\|.*\| lines \|"
+)
 # Entry-point groups, named like modules.
 GROUPS = {"weight_transfer.trainer", "weight_transfer.engine", "weight_transfer.hooks"}
 
