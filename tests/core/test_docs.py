@@ -49,8 +49,10 @@ _PATH = re.compile(r"^[\w./-]+\.(py|md|toml|json|yaml|yml|sh|txt|cfg)$")
 _DOTTED = re.compile(r"^(weight_transfer|wt_[a-z_]+)(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 _TEST_REF = re.compile(r"([\w/]*test_\w+\.py|weight_transfer[\w.]+)?::(test_\w+)")
 CONFORMANCE = ROOT / "core" / "src" / "weight_transfer" / "testing" / "conformance.py"
+# "N lines" and the like; a lines column; a file named with its size (`trainer.py` 176)
 _COUNT = re.compile(
     r"\b\d[\d,]*\s+(lines|modules|tests|passed|test modules|names)\b|^\|.*\| lines \|"
+    r"|`[\w/.-]+\.py` \d"
 )
 # Entry-point groups, named like modules.
 GROUPS = {"weight_transfer.trainer", "weight_transfer.engine", "weight_transfer.hooks"}

@@ -130,8 +130,8 @@ def test_post_init_validation_surfaces() -> None:
         parse_payload(Checked, {"n": -1}, "x")
 
 
-def test_a_repeated_parameter_list_decodes_once_and_a_changed_one_decodes_anew() -> None:
-    from weight_transfer.backend import ParamListUpdateInfo
+def test_a_repeated_parameter_list_decodes_once_per_engine_and_a_changed_one_anew() -> None:
+    from weight_transfer.backend import LayoutMemo, ParamListUpdateInfo, param_list_digests
 
     n = 2000
     data = {
@@ -139,15 +139,27 @@ def test_a_repeated_parameter_list_decodes_once_and_a_changed_one_decodes_anew()
         "dtype_names": ["bfloat16"] * n,
         "shapes": [[4, 8]] * n,
     }
-    first = parse_payload(ParamListUpdateInfo, data, "update_info")
-    again = parse_payload(ParamListUpdateInfo, data, "update_info")
-    assert all(a is b for a, b in zip(first.metas, again.metas, strict=True))
+    mine, theirs = LayoutMemo(), LayoutMemo()  # two engines' memos
+    first = mine.metas(parse_payload(ParamListUpdateInfo, data, "update_info"))
+    again = mine.metas(parse_payload(ParamListUpdateInfo, data, "update_info"))
+    assert all(a is b for a, b in zip(first, again, strict=True))
+    elsewhere = theirs.metas(parse_payload(ParamListUpdateInfo, data, "update_info"))
+    assert elsewhere == first and elsewhere[0] is not first[0]  # engines share nothing
     changed = {**data, "shapes": [*data["shapes"][:-1], [8, 8]]}
     other = parse_payload(ParamListUpdateInfo, changed, "update_info")
-    assert other.metas[-1].shape == (8, 8) and other.metas[0].shape == (4, 8)
+    metas = mine.metas(other)
+    assert metas[-1].shape == (8, 8) and metas[0].shape == (4, 8)
+    assert mine.digests(other) == param_list_digests(changed) != param_list_digests(data)
+    info = parse_payload(ParamListUpdateInfo, {k: list(v) for k, v in data.items()}, "update_info")
+    assert mine.digests(info) == param_list_digests(data)
+    info.shapes[0] = [1, 1]  # a list changed after the round: the memo kept its own copy
+    assert mine.metas(parse_payload(ParamListUpdateInfo, data, "update_info"))[0].shape == (4, 8)
     bad = {**data, "shapes": [*data["shapes"][:-1], [-1, 8]]}
     with pytest.raises(ValueError, match=rf"'shapes\[{n - 1}\]' has a negative dimension"):
         parse_payload(ParamListUpdateInfo, bad, "update_info")
     wrong = {**data, "shapes": [*data["shapes"][:-1], [4, "8"]]}
     with pytest.raises(ValueError, match=rf"field 'shapes\[{n - 1}\]\[1\]': expected int"):
         parse_payload(ParamListUpdateInfo, wrong, "update_info")
+    unknown = {**data, "dtype_names": [*data["dtype_names"][:-1], "float8"]}
+    with pytest.raises(ValueError, match=rf"'dtype_names\[{n - 1}\]': unknown dtype 'float8'"):
+        parse_payload(ParamListUpdateInfo, unknown, "update_info")

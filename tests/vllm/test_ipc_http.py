@@ -155,6 +155,7 @@ def test_sigterm_ends_a_worker_stuck_in_a_round_and_leaves_no_shared_memory(
         while any(_alive(pid) for pid in engines) and time.monotonic() - t0 < 30:
             time.sleep(0.2)
         elapsed = time.monotonic() - t0
+        print(f"the engine processes exited {elapsed:.1f}s after SIGTERM")
         assert not any(_alive(pid) for pid in engines), "an engine process ignored SIGTERM"
         assert elapsed < 15, f"the engine processes took {elapsed:.1f}s to exit"
         for pid in [trainer.pid, server.proc.pid, *engines]:

@@ -23,7 +23,8 @@ Worker side
     `WeightTransferEngine` (the transaction lives in its base class),
     `WeightTransferInitInfo`, `WeightTransferUpdateInfo`,
     `ParamListUpdateInfo` / `param_list_payload` / `param_list_digests` /
-    `PARAM_LIST_FIELDS` (the per-round parameter list), `WorkerPosition`,
+    `PARAM_LIST_FIELDS` (the per-round parameter list), `LayoutMemo` (a
+    worker's decoded list and digests, reused while unchanged), `WorkerPosition`,
     `is_vllm_config`, `loader_for` / `DirectLoader` / `Revertible` (the loader
     protocol), `ChannelDownError` (this side has no link to its trainer).
 
@@ -64,6 +65,7 @@ from weight_transfer.payload import (
 from weight_transfer.position import WorkerPosition, is_vllm_config
 from weight_transfer.resync import (
     PARAM_LIST_FIELDS,
+    LayoutMemo,
     ParamListUpdateInfo,
     ResyncTrainerEngine,
     param_list_digests,
@@ -117,6 +119,7 @@ __all__ = [
     "param_list_payload",
     "param_list_digests",
     "PARAM_LIST_FIELDS",
+    "LayoutMemo",
     "WorkerPosition",
     "is_vllm_config",
     "loader_for",

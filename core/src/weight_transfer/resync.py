@@ -60,6 +60,7 @@ __all__ = [
     "param_list_payload",
     "PARAM_LIST_FIELDS",
     "param_list_digests",
+    "LayoutMemo",
 ]
 
 TInfo = TypeVar("TInfo", bound=TrainerInitInfo)
@@ -78,46 +79,26 @@ def param_list_payload(metas: list[ParamMeta]) -> dict[str, Any]:
 PARAM_LIST_FIELDS = ("names", "dtype_names", "shapes")
 
 
-def param_list_digests(payload: dict[str, Any]) -> list[int]:
-    """One signed 64-bit digest per field of `PARAM_LIST_FIELDS` in `payload`.
+def param_list_digests(payload: Any) -> list[int]:
+    """One signed 64-bit digest per field of `PARAM_LIST_FIELDS` of `payload` (a dict, or
+    an object holding those fields).
 
     A transport puts the trainer's digests on its own wire (the nccl header,
     say) so that a worker can tell, before it sizes a single receive, that the
     update info it was handed declares exactly the layout the trainer sends,
     and name the field that differs when it does not.
     """
-    raw = _raw_layout(payload)
-    last = _last_layout
-    same = last is not None and last[0] == raw
-    if same and last is not None and last[2] is not None:
-        return list(last[2])
     digests = []
-    for name in PARAM_LIST_FIELDS:
-        text = json.dumps(payload[name], separators=(",", ":")).encode()
-        digest = hashlib.blake2b(text, digest_size=8).digest()
+    for text in _raw_layout(payload):
+        blob = json.dumps(text, separators=(",", ":")).encode()
+        digest = hashlib.blake2b(blob, digest_size=8).digest()
         digests.append(int.from_bytes(digest, "little", signed=True))
-    if same and last is not None:
-        _remember(raw, last[1], digests)
     return digests
-
-
-# The last parameter list decoded (`names, dtype_names, shapes`), its decoded
-# `ParamMeta`s and its digests (None until asked for): a model's layout arrives
-# unchanged round after round, and decoding tens of thousands of entries costs
-# more than comparing the lists. Replaced whole, never mutated.
-_last_layout: tuple[tuple[Any, ...], list[ParamMeta], list[int] | None] | None = None
 
 
 def _raw_layout(payload: Any) -> tuple[Any, ...]:
     get = payload.get if isinstance(payload, dict) else lambda f: getattr(payload, f)
     return tuple(get(f) for f in PARAM_LIST_FIELDS)
-
-
-def _remember(raw: tuple[Any, ...], metas: list[ParamMeta], digests: list[int] | None) -> None:
-    global _last_layout
-    # copies: the caller's lists may change after this round
-    kept = tuple([list(x) if isinstance(x, list) else x for x in v] for v in raw)
-    _last_layout = (kept, metas, digests)
 
 
 @dataclass
@@ -131,13 +112,9 @@ class ParamListUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    metas: list[ParamMeta] = field(init=False, repr=False)
+    _metas: list[ParamMeta] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        last = _last_layout
-        if last is not None and last[0] == _raw_layout(self):
-            self.metas = list(last[1])  # the ParamMetas are shared: frozen, compared by identity
-            return
         for name in ("dtype_names", "shapes"):
             if len(getattr(self, name)) != len(self.names):
                 raise ValueError(
@@ -147,13 +124,55 @@ class ParamListUpdateInfo(WeightTransferUpdateInfo):
         for i, shape in enumerate(self.shapes):
             if any(d < 0 for d in shape):
                 raise ValueError(f"update_info: field 'shapes[{i}]' has a negative dimension")
-        self.metas = [
-            ParamMeta(n, dtype_from_name(d, field=f"dtype_names[{i}]"), tuple(s))
-            for i, (n, d, s) in enumerate(
-                zip(self.names, self.dtype_names, self.shapes, strict=True)
-            )
-        ]
-        _remember(_raw_layout(self), list(self.metas), None)
+        for d in set(self.dtype_names):  # each distinct name once; the error names the first
+            try:
+                dtype_from_name(d)
+            except ValueError:
+                i = self.dtype_names.index(d)
+                dtype_from_name(d, field=f"dtype_names[{i}]")
+
+    @property
+    def metas(self) -> list[ParamMeta]:
+        """The decoded parameter list (decoded on first use; `LayoutMemo` reuses it)."""
+        if self._metas is None:
+            dtypes = {d: dtype_from_name(d) for d in set(self.dtype_names)}
+            self._metas = [
+                ParamMeta(n, dtypes[d], tuple(s))
+                for n, d, s in zip(self.names, self.dtype_names, self.shapes, strict=True)
+            ]
+        return self._metas
+
+
+class LayoutMemo:
+    """One worker engine's memory of the last parameter list it received: the decoded
+    `ParamMeta`s and the digests, reused while the list arrives unchanged (a model's
+    does, round after round, and decoding tens of thousands of entries costs far more
+    than comparing the lists). Each engine holds its own; engines share nothing."""
+
+    def __init__(self) -> None:
+        self._raw: tuple[Any, ...] | None = None  # copies of the last lists
+        self._metas: list[ParamMeta] = []
+        self._digests: list[int] = []
+
+    def metas(self, info: ParamListUpdateInfo) -> list[ParamMeta]:
+        """`info.metas`, decoded once per distinct parameter list."""
+        self._remember(info)
+        return self._metas
+
+    def digests(self, info: ParamListUpdateInfo) -> list[int]:
+        """`param_list_digests(info)`, computed once per distinct parameter list."""
+        self._remember(info)
+        return self._digests
+
+    def _remember(self, info: ParamListUpdateInfo) -> None:
+        raw = _raw_layout(info)
+        if raw == self._raw:
+            info._metas = self._metas  # frozen ParamMetas: sharing them is safe
+            return
+        self._metas = info.metas
+        self._digests = param_list_digests(info)
+        # copies: the caller's lists may change after this round
+        self._raw = tuple([list(x) if isinstance(x, list) else x for x in v] for v in raw)
 
 
 class ResyncTrainerEngine(TrainerWeightTransferEngine[TInfo], Generic[TInfo]):

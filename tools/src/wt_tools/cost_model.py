@@ -113,9 +113,9 @@ def calibrate(results: dict[str, Any] | None) -> dict[str, float]:
     dense = [s for s in results.get("scenarios", []) if s["scenario"].startswith("dense")]
     live = results.get("live")
     if live and dense:
-        rows = {r["method"]: r for r in live["rows"]}
-        floor = rows["floor: vLLM reload from memory"]["median_s"]
-        sync = rows["wt_nccl packed"]["median_s"]
+        rows = {r["id"]: r for r in live["rows"]}
+        floor = rows["floor.nccl"]["median_s"]
+        sync = rows["nccl.packed"]["median_s"]
         # the dense scenario closest in size to the live model prices its wire and memcpy
         near = min(dense, key=lambda s: abs(s["bytes"] - live["bytes"]))
         scale = live["bytes"] / near["bytes"]

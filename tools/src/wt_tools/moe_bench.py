@@ -152,10 +152,12 @@ def measure(repeats: int, work: str, spec: TinyMoESpec = MOE_SPEC) -> dict[str, 
     for engine in engines:
         floor_name = f"floor: vLLM reload ({engine.backend} engine)"
         base = statistics.median(times[floor_name])
-        for name in (floor_name, f"wt_{engine.backend} packed"):
+        ids = (f"floor.{engine.backend}", f"{engine.backend}.packed")
+        for row_id, name in zip(ids, (floor_name, f"wt_{engine.backend} packed"), strict=True):
             med = statistics.median(times[name])
             rows_out.append(
                 {
+                    "id": row_id,
                     "method": name,
                     "median_s": med,
                     "times_s": times[name],

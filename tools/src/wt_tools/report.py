@@ -14,6 +14,8 @@ import json
 import os
 from typing import Any
 
+from wt_tools.goals import GOALS, format_value
+
 __all__ = ["targets", "markdown", "plots", "load", "cluster_table", "digest_table"]
 
 
@@ -41,125 +43,88 @@ def _scenario(
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each goal: the figure, the goal, met or not (`None` when the run lacks the figure)."""
+    """Each goal of `wt_tools.goals.GOALS` that applies to the run, checked: its id, the
+    figure, the limit, met or not (`None` when the run lacks the figure)."""
     out: list[dict[str, Any]] = []
 
-    def add(
-        goal: str, value: float | None, limit: float, higher_is_better: bool, unit: str
-    ) -> None:
-        met = None if value is None else (value >= limit if higher_is_better else value <= limit)
+    def check(goal_id: str, value: float | None, scenario: str = "") -> None:
+        goal = GOALS[goal_id]
         out.append(
             {
-                "goal": goal,
+                "id": goal_id,
+                "goal": goal.text.format(scenario=scenario),
                 "value": value,
-                "limit": limit,
-                "met": met,
-                "unit": unit,
-                "higher_is_better": higher_is_better,
+                "limit": goal.limit,
+                "met": None if value is None else goal.met(value),
+                "unit": goal.unit,
+                "higher_is_better": goal.higher_is_better,
             }
         )
 
     sized = [_scenario(results, f"dense {size}") for size in ("1 GiB", "4 GiB")]
     for dense in [d for d in sized if d] or [_scenario(results, "dense") or {}]:
         packed = _mode(dense, "nccl packed") if dense else None
-        add(
-            f"nccl packed vs the bare broadcast ({dense.get('scenario', 'dense')})",
+        check(
+            "dense.nccl_share_of_bare",
             dense["references"]["bare_broadcast_s"] / packed["median_s"] if packed else None,
-            0.75,
-            True,
-            "of the ceiling",
+            dense.get("scenario", "dense"),
         )
     moe = _scenario(results, "MoE", mode="nccl unpacked") or {}
+    moe_name = moe.get("scenario", "MoE-like")
     moe_packed = _mode(moe, "nccl packed") if moe else None
     moe_unpacked = _mode(moe, "nccl unpacked") if moe else None
-    add(
-        f"nccl packed faster than unpacked ({moe.get('scenario', 'MoE-like')})",
+    check(
+        "moe.nccl_packed_over_unpacked",
         moe_unpacked["median_s"] / moe_packed["median_s"] if moe_packed and moe_unpacked else None,
-        3.0,
-        True,
-        "x",
+        moe_name,
     )
     many = _scenario(results, "MoE", key="params") or {}
-    add(
-        f"trainer-side overhead per parameter ({many.get('scenario', 'MoE-like')})",
+    many_name = many.get("scenario", "MoE-like")
+    check(
+        "moe.trainer_overhead_per_param",
         many["references"]["trainer_overhead_per_param_us"] if many else None,
-        5.0,
-        False,
-        "us",
+        many_name,
     )
-    for scenario, limits in ((many, (3.0, 3.0, 5.0)), (moe, (1.5, 1.5, 3.0))):
-        for mode, limit in zip(("nccl packed", "ipc packed", "sharded_rdt"), limits, strict=True):
+    for prefix, scenario, name in (("moe_many", many, many_name), ("moe", moe, moe_name)):
+        for backend, mode in (("nccl", "nccl packed"), ("ipc", "ipc packed"),
+                              ("sharded_rdt", "sharded_rdt")):  # fmt: skip
             row = _mode(scenario, mode) if scenario else None
-            add(
-                f"{mode} vs the bare broadcast ({scenario.get('scenario', 'MoE-like')})",
-                row["x_bare_broadcast"] if row else None,
-                limit,
-                False,
-                "x",
-            )
-    live = results.get("live")
-    rows = {r["method"]: r for r in live["rows"]} if live else {}
-
-    def ratio(name: str) -> float | None:
-        return rows[name]["ratio_to_floor"] if name in rows else None
-
-    def faster(name: str, disk: str) -> float | None:
-        if name not in rows or disk not in rows:
-            return None
-        return float(rows[disk]["median_s"] / rows[name]["median_s"])
-
-    for name, limit in (
-        ("wt_nccl packed", 1.5),
-        ("wt_ipc packed", 1.3),
-        ("wt_sharded_rdt (nixl)", 1.8),
-    ):
-        add(f"live vLLM: {name} vs its reload from memory", ratio(name), limit, False, "x floor")
-    add(
-        "live vLLM: nccl packed faster than save + reload",
-        faster("wt_nccl packed", "save + reload_weights"),
-        2.5,
-        True,
-        "x",
-    )
-    add(
-        "live vLLM: ipc packed faster than save + reload",
-        faster("wt_ipc packed", "save + reload (ipc engine)"),
-        2.5,
-        True,
-        "x",
-    )
-    moe_live = results.get("live_moe")
-    for r in moe_live["rows"] if moe_live else []:
-        if r["method"].startswith("wt_"):
-            add(f"live MoE: {r['method']} vs its floor", r["ratio_to_floor"], 2.0, False, "x floor")
-    lora = results.get("lora")
-    for r in lora["rows"] if lora else []:
-        wt_s = r["wt_sync_s"] + r["wt_first_request_s"]
-        disk_s = r["disk_load_s"] + r["disk_first_request_s"]
-        add(
-            f"LoRA ({r['label']}): sync and first token faster than save + load from disk",
-            disk_s / wt_s,
-            1.0,
-            True,
-            "x",
-        )
+            check(f"{prefix}.{backend}_vs_bare", row["x_bare_broadcast"] if row else None, name)
     worst = None
-    for s in results["scenarios"]:
-        for m in s["modes"]:
+    for sc in results["scenarios"]:
+        for m in sc["modes"]:
             if m["staging_bytes"]:
                 extra = max(m["peak_extra_trainer_bytes"], m["peak_extra_worker_bytes"])
                 share = extra / m["staging_bytes"]
                 worst = share if worst is None else max(worst, share)
-    add("peak extra memory per side vs its configured staging", worst, 1.10, False, "of staging")
+    check("memory.peak_extra_vs_staging", worst)
+    live = results.get("live")
+    rows = {r["id"]: r for r in live["rows"]} if live else {}
+
+    def ratio(row_id: str) -> float | None:
+        return rows[row_id]["ratio_to_floor"] if row_id in rows else None
+
+    def faster(row_id: str, disk_id: str) -> float | None:
+        if row_id not in rows or disk_id not in rows:
+            return None
+        return float(rows[disk_id]["median_s"] / rows[row_id]["median_s"])
+
+    check("live.nccl_vs_floor", ratio("nccl.packed"))
+    check("live.ipc_vs_floor", ratio("ipc.packed"))
+    check("live.sharded_rdt_vs_floor", ratio("sharded_rdt.nixl"))
+    check("live.nccl_over_save_reload", faster("nccl.packed", "save_reload.nccl"))
+    check("live.ipc_over_save_reload", faster("ipc.packed", "save_reload.ipc"))
+    check("ipc_transport.share_of_memcpy", live["ipc"]["share_of_memcpy"] if live else None)
+    moe_live = results.get("live_moe")
+    for r in moe_live["rows"] if moe_live else []:
+        if r["id"].endswith(".packed"):
+            check("live_moe.vs_floor", r["ratio_to_floor"], r["method"])
+    lora = results.get("lora")
+    for r in lora["rows"] if lora else []:
+        wt_s = r["wt_sync_s"] + r["wt_first_request_s"]
+        disk_s = r["disk_load_s"] + r["disk_first_request_s"]
+        check("lora.over_disk", disk_s / wt_s, r["label"])
     return out
-
-
-def _fmt(value: float | None, unit: str) -> str:
-    if value is None:
-        return "n/a"
-    if unit in ("of the ceiling", "of staging"):
-        return f"{value:.0%}"
-    return f"{value:.2f} {unit}".strip()
 
 
 def cluster_table(predictions: list[dict[str, Any]], calibration: dict[str, float]) -> str:
@@ -315,10 +280,9 @@ def markdown(results: dict[str, Any]) -> str:
         out += ["", f"wt_sharded_rdt: refused at init: `{moe['sharded_rdt_refused']}`"]
     out += ["", "## Targets", "", "| goal | measured | target | met |", "| --- | --- | --- | --- |"]
     for t in results.get("targets", []):
-        limit = _fmt(t["limit"], t["unit"])
-        sign = ">=" if t["higher_is_better"] else "<="
         met = {True: "yes", False: "no", None: "n/a"}[t["met"]]
-        out.append(f"| {t['goal']} | {_fmt(t['value'], t['unit'])} | {sign} {limit} | {met} |")
+        measured = format_value(t["value"], t["unit"])
+        out.append(f"| {t['goal']} | {measured} | {GOALS[t['id']].describe()} | {met} |")
     model = results.get("cost_model")
     if model:
         out += ["", "## Cost model (`wt bench --model-cluster`)", ""]

@@ -386,6 +386,14 @@ class GuardedEngine:
             self._generation = host.generation()
         return self._generation
 
+    def _resume_after(self, error: BaseException) -> None:
+        """Resume generation after a round failed with `error`; not when the process is
+        exiting (`SystemExit`: vLLM's worker on SIGTERM): its engine core is exiting too,
+        and asking it to resume would only delay this process's exit by the asks'
+        timeouts while the engine core waits for it."""
+        if not isinstance(error, SystemExit):
+            self._resume_generation(f"the round failed: {error}")
+
     def _resume_generation(self, why: str) -> None:
         """Resume generation if it was paused when this round began: the trainer that
         paused it may never resume it (it died, stalled, or its round failed here).
@@ -623,7 +631,7 @@ class GuardedEngine:
             raise failed.error from None
         except BaseException as error:
             self._abort_round(error)
-            self._resume_generation(f"the round failed: {error}")
+            self._resume_after(error)
             self._raise_if_incomplete(error)
             raise
 
@@ -711,7 +719,7 @@ class GuardedEngine:
         except BaseException as error:
             self.transaction = self.transaction or transaction
             self._abort_round(error)
-            self._resume_generation(f"the round failed: {error}")
+            self._resume_after(error)
             raise
 
     def _adapter_loader(self, adapter: Adapter) -> Transaction:

@@ -37,9 +37,9 @@ import torch
 from weight_transfer.backend import (
     PARAM_LIST_FIELDS,
     AlignedFailure,
+    LayoutMemo,
     WeightTransferEngine,
     check_declared,
-    param_list_digests,
 )
 from wt_ipc.planes import WorkerStaging
 from wt_ipc.protocol import (
@@ -74,6 +74,7 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
             "ipc", remedy="the trainer attaches its workers again at its next round"
         )
         self.wire: WireParams | None = None
+        self.layouts = LayoutMemo()  # the last round's decoded parameter list
         self.staging: WorkerStaging | None = None
         self.timeout_s = 300.0
         self.last_round = 0
@@ -128,8 +129,9 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
                 f"update_info: field 'round_id' is {round_id}, but round {self.last_round} "
                 "already ran on this link (a stale or replayed update)"
             )
-        check_declared(update_info.metas, self.model, what="update_info")
-        plan = plan_for(update_info.metas, wire)
+        metas = self.layouts.metas(update_info)
+        check_declared(metas, self.model, what="update_info")
+        plan = plan_for(metas, wire)
         mapped = min(slot.numel() for slot in staging.slots)
         if plan.max_bucket_bytes > mapped:  # every view must lie inside what was mapped
             raise ValueError(
@@ -205,7 +207,7 @@ class IPCWorkerEngine(WeightTransferEngine[IPCWorkerInitInfo, IPCUpdateInfo]):
                     f"control link out of step: expected the layout digest of {name!r}, got {frame}"
                 )
             theirs.append(frame.value)
-        ours = param_list_digests(vars(update_info))
+        ours = self.layouts.digests(update_info)
         for name, mine, trainer in zip(PARAM_LIST_FIELDS, ours, theirs, strict=True):
             if mine != trainer:
                 raise AlignedFailure(

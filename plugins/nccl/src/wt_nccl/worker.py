@@ -31,10 +31,10 @@ import torch
 
 from weight_transfer.backend import (
     AlignedFailure,
+    LayoutMemo,
     WeightTransferEngine,
     check_declared,
     host_memory_bytes,
-    param_list_digests,
 )
 from wt_kits.channel import GroupChannel
 from wt_kits.group import StatelessGroup, join_group
@@ -73,6 +73,7 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
             "nccl", remedy="the trainer re-forms the group at its next round (or run trainer_init)"
         )
         self.wire: WireParams | None = None
+        self.layouts = LayoutMemo()  # the last round's decoded parameter list
         self._buffers: RotatingBuffers | None = None
 
     def init_transfer_engine(self, init_info: NCCLWorkerInitInfo) -> None:
@@ -97,9 +98,10 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         wire, buffers = self.wire, self._buffers
         if wire is None or buffers is None:
             raise RuntimeError("update_weights before init_weight_transfer_engine")
-        check_declared(update_info.metas, self.model, what="update_info")
-        plan = plan_for(update_info.metas, wire)
-        declared = param_list_digests(vars(update_info))
+        metas = self.layouts.metas(update_info)
+        check_declared(metas, self.model, what="update_info")
+        plan = plan_for(metas, wire)
+        declared = self.layouts.digests(update_info)
         loader = self.loader
         with self.channel.on_wire("receiving a round") as group:
             unpacker = Unpacker(plan, group.device, buffers if wire.packed else None)
