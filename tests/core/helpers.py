@@ -1,9 +1,8 @@
 """Small real pieces shared by the core tests: a worker engine that loads the
-tensors it is given, its payload types, a list-backed `WeightSource`, a free port."""
+tensors it is given, its payload types and a list-backed `WeightSource`."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,13 +16,6 @@ from weight_transfer import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

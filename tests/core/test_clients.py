@@ -314,7 +314,7 @@ def test_http_calls_from_several_threads_survive_each_others_reconnects(server: 
 
 
 def test_http_unreachable_server_raises_rpc_error() -> None:
-    from tests.core.helpers import free_port
+    from wt_kits.group.stateless import free_port
 
     client = HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{free_port()}", timeout=5)
     with pytest.raises(WeightSyncRPCError, match="init_weight_transfer_engine failed"):

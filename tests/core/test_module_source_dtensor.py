@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from tests.core.helpers import free_port
 from tests.harness import digest
+from wt_kits.group.stateless import free_port
 
 WORLD = 2
 TIMEOUT_S = 60.0

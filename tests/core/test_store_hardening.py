@@ -505,3 +505,19 @@ def test_a_relay_dropping_a_request_fails_the_call_bounded_and_applies_nothing()
             assert server.store.num_keys() == 0
     finally:
         server.close()
+
+
+def test_a_free_port_lies_below_the_ephemeral_range_and_binds() -> None:
+    """`free_port` never names a port the kernel may hand to an outgoing connection
+    (a group's port taken that way failed a rendezvous with "address already in use")."""
+    import socket
+    from pathlib import Path
+
+    from wt_kits.group.stateless import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(50)}
+    assert all(10000 <= p < low for p in ports), sorted(ports)
+    assert len(ports) > 40  # chosen at random, not one port again and again
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))

@@ -38,6 +38,7 @@ import logging
 from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
@@ -121,9 +122,9 @@ class ParamListUpdateInfo(WeightTransferUpdateInfo):
                     f"update_info: field {name!r} has {len(getattr(self, name))} entries, "
                     f"'names' has {len(self.names)}"
                 )
-        for i, shape in enumerate(self.shapes):
-            if any(d < 0 for d in shape):
-                raise ValueError(f"update_info: field 'shapes[{i}]' has a negative dimension")
+        if min(chain.from_iterable(self.shapes), default=0) < 0:  # one C-level pass
+            i = next(i for i, shape in enumerate(self.shapes) if min(shape, default=0) < 0)
+            raise ValueError(f"update_info: field 'shapes[{i}]' has a negative dimension")
         for d in set(self.dtype_names):  # each distinct name once; the error names the first
             try:
                 dtype_from_name(d)

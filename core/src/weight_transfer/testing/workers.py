@@ -277,52 +277,93 @@ def digest(t: torch.Tensor) -> str:
 
 
 class FanoutClient:
-    """Calls every worker, blocks on all; raises `WeightSyncRPCError` naming the worker."""
+    """Calls every worker, blocks on all; raises `WeightSyncRPCError` naming the worker.
+
+    The first error raises at once (a worker that refused, or is gone), naming the
+    worker. As in a vLLM engine, which runs one call at a time, a worker runs this
+    client's calls in order: a call that raised before every worker answered leaves
+    those answers owed, and the next call waits for them (within `timeout_s`)
+    before it goes out, so it never runs beside the one before it (an abort one
+    worker refused, "no round", has run on the others before the next start).
+    """
 
     def __init__(self, addresses: list[Any], timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.addresses = addresses
         self.timeout_s = timeout_s
-        self._conns: list[Connection] | None = None
+        self._conns: list[Connection | None] = [None] * len(addresses)
+        self._owed: set[int] = set()  # workers still running a call that raised
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"addresses": self.addresses, "timeout_s": self.timeout_s, "_conns": None}
+        return {"addresses": self.addresses, "timeout_s": self.timeout_s}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.addresses, self.timeout_s = state["addresses"], state["timeout_s"]
+        self._conns, self._owed = [None] * len(self.addresses), set()
 
     def _connections(self) -> list[Connection]:
-        if self._conns is None:
-            self._conns = [Client(a, authkey=AUTHKEY) for a in self.addresses]
-        return self._conns
+        for i, c in enumerate(self._conns):
+            if c is None:
+                self._conns[i] = Client(self.addresses[i], authkey=AUTHKEY)
+        return [c for c in self._conns if c is not None]
+
+    def _drop(self, i: int) -> None:
+        c, self._conns[i] = self._conns[i], None
+        self._owed.discard(i)
+        if c is not None:
+            c.close()
+
+    def _settle(self, method: str, deadline: float) -> None:
+        """Receive (and discard) the answers an earlier call left owed, before `method`."""
+        while self._owed:
+            for i in sorted(self._owed):
+                c = self._conns[i]
+                try:
+                    if c is None or c.poll(0.01):
+                        if c is not None:
+                            c.recv()
+                        self._owed.discard(i)
+                except (EOFError, OSError):
+                    self._drop(i)  # gone: the next call reconnects (and fails if it is)
+            if self._owed and time.monotonic() > deadline:
+                from weight_transfer.clients import WeightSyncRPCError
+
+                owed = sorted(self._owed)
+                for i in owed:
+                    self._drop(i)
+                raise WeightSyncRPCError(
+                    method,
+                    f"workers {owed} did not finish the call before it within {self.timeout_s:g}s",
+                )
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         from weight_transfer.clients import WeightSyncRPCError
 
+        deadline = time.monotonic() + self.timeout_s
+        self._settle(method, deadline)
         conns = self._connections()
         for c in conns:
             c.send((method, args, kwargs))
         results: list[Any] = [None] * len(conns)
-        deadline = time.monotonic() + self.timeout_s
         pending = set(range(len(conns)))
         while pending:
             for i in sorted(pending):
                 c = conns[i]
                 try:
-                    ready = c.poll(0.01)
-                except (EOFError, OSError) as e:
-                    self._conns = None
-                    raise WeightSyncRPCError(method, f"worker {i} is gone ({e})") from e
-                if not ready:
-                    continue
-                try:
+                    if not c.poll(0.01):
+                        continue
                     reply = c.recv()
                 except (EOFError, OSError) as e:
-                    self._conns = None
+                    self._drop(i)
+                    self._owed = pending - {i}
                     raise WeightSyncRPCError(method, f"worker {i} is gone ({e})") from e
                 pending.discard(i)
                 if reply[0] == "err":
-                    self._conns = None  # later replies of this call are abandoned
+                    self._owed = set(pending)
                     raise WeightSyncRPCError(method, f"worker {i}: {reply[1]}")
                 results[i] = reply[1]
             if pending and time.monotonic() > deadline:
-                self._conns = None
+                for i in pending:
+                    self._drop(i)
                 raise WeightSyncRPCError(
                     method, f"workers {sorted(pending)} gave no answer within {self.timeout_s:g}s"
                 )

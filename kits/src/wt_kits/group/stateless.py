@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import random
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,10 +55,31 @@ _OPEN_KEY = "wt/trainer-open"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port on `host` that was free a moment ago, chosen at random below the
+    kernel's ephemeral range: a port from that range (what binding port 0 gives)
+    can be handed to any process's outgoing connection before its caller binds it."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(_PORTS_FROM, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {host} in [{_PORTS_FROM}, {low}) after 200 tries")
+
+
+_PORTS_FROM = 10000  # above the well-known and most registered services' ports
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where unknown)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > _PORTS_FROM + 1000 else 32768
 
 
 def _is_loopback(host: str) -> bool:
