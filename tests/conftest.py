@@ -1,4 +1,4 @@
-"""How the suite is split across `pytest -n 3 --dist loadgroup` (`nox -s tests`).
+"""How the suite is split across `pytest -n 2 --dist loadgroup` (`nox -s tests`).
 
 Tests that share something expensive run in one worker process, each group as
 a unit: `vllm` (the in-process engines and the live HTTP servers that

@@ -55,7 +55,11 @@ def test_dropping_an_aborted_group_with_a_receive_in_flight_does_not_stall() -> 
     gc.collect()
     elapsed = time.monotonic() - t0
     ticker.join(5)
-    assert elapsed < 2.0, f"dropping the aborted group took {elapsed:.1f}s (timeout {TIMEOUT_S}s)"
+    # a stall lasts the receive's timeout; well under it, the drop did not wait for it (on two
+    # busy cores the abort itself took 2.5 s once)
+    assert elapsed < TIMEOUT_S / 4, (
+        f"dropping the aborted group took {elapsed:.1f}s (timeout {TIMEOUT_S}s)"
+    )
     assert len(ticking) == 20
     trainer.close()
 
