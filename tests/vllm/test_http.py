@@ -288,7 +288,7 @@ def test_http_a_trainer_killed_after_its_pause_never_leaves_a_tensor_parallel_se
         server.stop()
 
 
-def test_http_twenty_syncs_under_a_steady_stream_of_completions(
+def test_http_ten_syncs_under_a_steady_stream_of_completions(
     server: Server, references: References, tmp_path: Any
 ) -> None:
     """Generation is paused around each round (vLLM's pause, mode "keep"), so no
@@ -296,7 +296,7 @@ def test_http_twenty_syncs_under_a_steady_stream_of_completions(
     http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
     source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
     trainer = connect(BACKEND, http, source, str(tmp_path))
-    seeds = [2 + i % 2 for i in range(20)]
+    seeds = [2 + i % 2 for i in range(10)]
     try:
         with Traffic(server) as traffic:
             while traffic.done < 3 and not traffic.failures:  # the stream is flowing
@@ -307,7 +307,7 @@ def test_http_twenty_syncs_under_a_steady_stream_of_completions(
                 time.sleep(0.05)  # let a few requests run between rounds
         print(f"{traffic.done} streamed completions during {len(seeds)} syncs")
         assert traffic.failures == []
-        assert traffic.done >= 20, traffic.done
+        assert traffic.done >= len(seeds), traffic.done
         assert server.proc.poll() is None, "the server exited"
         assert not http.is_paused()
         assert server.generate() == references.outputs(seeds[-1])
