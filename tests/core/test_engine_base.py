@@ -415,6 +415,23 @@ def test_the_host_ending_a_round_without_finish_rolls_it_back() -> None:
     assert torch.equal(engine.model.a, torch.ones(3))
 
 
+def test_the_hosts_abort_rolls_the_round_back_and_the_backends_clean_up_runs() -> None:
+    """vLLM's newest worker calls `abort_weight_update` on its engine: core's rollback,
+    not only the backend's clean-up hook of the same name."""
+    engine = _engine()
+    engine.abort_weight_update()  # no round: nothing to do
+    engine.start_weight_update()
+    engine.update_weights({"names": ["a"], "values": [3.0]})
+    engine.calls.clear()
+    engine.abort_weight_update()
+    assert not engine.round_open and torch.equal(engine.model.a, torch.zeros(3))
+    assert engine.calls == ["abort"]
+    engine.start_weight_update()  # the next round works
+    engine.update_weights({"names": ["a"], "values": [1.0]})
+    engine.finish_weight_update()
+    assert torch.equal(engine.model.a, torch.ones(3))
+
+
 def test_init_is_refused_while_a_round_is_open() -> None:
     engine = _engine()
     engine.init_transfer_engine(engine.parse_init_info(_init()))

@@ -76,3 +76,16 @@ def test_a_failure_at_one_replica_leaves_every_replica_on_its_previous_weights_a
     assert_serving(replicas, 1.0, "v1")  # a finish whose answer was lost is reverted too
     sync(client, 3.0, "v3")  # the next round moves every replica
     assert_serving(replicas, 3.0, "v3")
+
+
+def test_shutting_the_fleet_down_disconnects_every_replica(
+    fleet: tuple[FanOutClient, list[FaultyReplica]],
+) -> None:
+    client, replicas = fleet
+    sync(client, 1.0, "v1")
+    client.shutdown_weight_transfer_engine()
+    for i, replica in enumerate(replicas):
+        assert replica.inner.engine.calls[-1] == "shutdown", f"replica {i}"
+        with pytest.raises(Exception, match="no_connection"):  # a start needs a new init
+            replica.inner.start_weight_update()
+    assert_serving(replicas, 1.0, "v1")

@@ -221,6 +221,7 @@ def _pulled_bytes(worker: Any) -> int:
     return int(worker.weight_transfer_engine.pulled_bytes)
 
 
+@pytest.mark.extended  # a TP-2 engine: three more vLLM processes (slices: test_sharded_loopback)
 def test_tensor_parallel_engine_workers_pull_their_halves(
     cluster: Any, tiny_dirs: TinyDirs, references: References, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -29,6 +29,7 @@ from weight_transfer.factory import (
 from weight_transfer.fleet import FanOutClient, FleetError
 from weight_transfer.position import WorkerPosition
 from weight_transfer.runtime.adapters import Adapter, LoRASource, remove_adapter
+from weight_transfer.runtime.control import ForeignEngineError
 from weight_transfer.runtime.sources import ModuleSource, StreamedSource, param_metadata
 from weight_transfer.session import WorkerSession
 from weight_transfer.source import (
@@ -58,6 +59,7 @@ __all__ = [
     "RayVLLMWeightSyncClient",
     "LocalVLLMWeightSyncClient",
     "WeightSyncRPCError",
+    "ForeignEngineError",
     "FanOutClient",
     "FleetError",
     "TrainerInitInfo",

@@ -188,7 +188,7 @@ class TrainerWeightTransferEngine(ABC, Generic[TTrainerInitInfo]):
         self.client = (
             client
             if isinstance(client, RoundClient)
-            else RoundClient(client, timeout_s, trainer_id=self.trainer_id)
+            else RoundClient(client, timeout_s, trainer_id=self.trainer_id, backend=self.backend)
         )
         self.source = source_view(source, rank)  # a vLLM 0.33-style source, seen wt's way
         self.client.adapter_source = source

@@ -425,6 +425,11 @@ class FanOutClient:
         """Resume generation on every replica (after a trainer died mid-round)."""
         self._each("resume_generation", lambda i, r: r.resume_generation())
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Shut down every replica's engine (each drops its trainer); the first
+        failure raises once every replica answered."""
+        self._each("shutdown", lambda i, r: r.shutdown_weight_transfer_engine())
+
     def weight_versions(self) -> list[str | None]:
         """Every replica's version label (None where its client cannot read it)."""
         return self._each("weight_version", lambda i, r: _weight_version(r))

@@ -79,6 +79,8 @@ __all__ = [
     "ChannelDownError",
     "RoundAbortedError",
     "ModelIncompleteError",
+    "ForeignEngineError",
+    "foreign_engine",
     "refusals",
     "refused",
     "abort_round",
@@ -335,6 +337,22 @@ def refusals(error: BaseException | str) -> set[Refusal]:
 def refused(error: BaseException | str, *codes: Refusal) -> bool:
     """Whether `error` is a refusal with one of `codes`."""
     return not refusals(error).isdisjoint(codes)
+
+
+# vLLM's own engines refuse a wt init info in `parse_init_info`, before any init:
+# "Invalid init_info for NCCLWeightTransferEngine: ... unexpected keyword argument ..."
+_FOREIGN = re.compile(r"Invalid init_info for (\w+WeightTransferEngine)\b")
+
+
+def foreign_engine(error: BaseException | str) -> str | None:
+    """The class of the non-wt engine whose refusal `error` carries, or None."""
+    match = _FOREIGN.search(str(error))
+    return match.group(1) if match else None
+
+
+class ForeignEngineError(RuntimeError):
+    """The host runs another weight-transfer engine than wt's (vLLM's own, say):
+    nothing was initialized; the message names that engine and the config to use."""
 
 
 # -- the trainer's three ways through a round -----------------------------------

@@ -25,9 +25,11 @@ from weight_transfer.runtime.control import (
     SEAL_FIELD,
     VERSION_FIELD,
     ControlKey,
+    ForeignEngineError,
     Refusal,
     abort_round,
     finish_round,
+    foreign_engine,
     refused,
     start_round,
     with_control_key,
@@ -77,9 +79,15 @@ class RoundClient:
     """
 
     def __init__(
-        self, client: Any, timeout_s: float = DEFAULT_TIMEOUT_S, *, trainer_id: str = ""
+        self,
+        client: Any,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        trainer_id: str = "",
+        backend: str = "",
     ) -> None:
         self.inner = client
+        self.backend = backend  # the trainer's backend, named in a foreign engine's refusal
         self.timeout_s = timeout_s
         self.pending: Future[None] | None = None
         self._leftover: Future[None] | None = None
@@ -100,8 +108,22 @@ class RoundClient:
                 leftover.exception(timeout=self.timeout_s)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Ship `init_info` with the control key; a host running another engine than
+        wt's refuses it before any init: `ForeignEngineError` naming both."""
         self._let_leftover_end()
-        self.inner.init_weight_transfer_engine(with_control_key(init_info, self.control))
+        try:
+            self.inner.init_weight_transfer_engine(with_control_key(init_info, self.control))
+        except Exception as error:
+            engine = foreign_engine(error)
+            if engine is None:
+                raise
+            wanted = f"wt_{self.backend}" if self.backend else "wt_<backend>"
+            raise ForeignEngineError(
+                f"the inference engine runs {engine}, not a wt engine, so it cannot take "
+                f"this trainer's init info; start it with weight_transfer_config "
+                f"""{{"backend": "{wanted}"}} (vLLM's --weight-transfer-config '{{"backend": """
+                f""""{wanted}"}}')"""
+            ) from error
 
     def start_weight_update(self) -> None:
         """Start a round; one left open on the workers (a trainer that died

@@ -212,6 +212,17 @@ class GuardedEngine:
     def finish_weight_update(self) -> None:
         self._close_round(self.backend.finish_weight_update)
 
+    def abort_weight_update(self) -> None:
+        """The host's abort (vLLM's `abort_weight_update`): roll the open round back,
+        as an in-band abort does; a no-op without one. Generation stays as it is
+        (whoever aborts resumes it). Without this, the backend's clean-up hook of
+        the same name would run alone and leave the transaction open."""
+        with self._round_lock:
+            self._expired = None
+            if self.transaction is not None:
+                logger.warning("%s: the host aborted the round", type(self.backend).__name__)
+                self._abort_round(RoundAbortedError("aborted by the host (abort_weight_update)"))
+
     def shutdown(self) -> None:
         self.connected = False
         self.backend.shutdown()

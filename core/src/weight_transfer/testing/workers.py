@@ -181,11 +181,14 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
     lock = threading.Lock()
     extra = load_object(spec.handlers)(model, session) if spec.handlers else {}
     listener = Listener(("127.0.0.1", 0), authkey=AUTHKEY)
+    stopping = threading.Event()
     ready.send(("ok", listener.address))
 
     def local(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if method == STOP:  # an in-process worker: its thread ends, its engine shuts down
-            listener.close()
+            stopping.set()
+            with contextlib.suppress(OSError):  # wakes the accept below (closing would not)
+                Client(listener.address, authkey=AUTHKEY).close()
             session.shutdown_weight_transfer_engine()
             return None
         if method == "received":
@@ -234,12 +237,16 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
                 except (OSError, BrokenPipeError):
                     return
 
-    while True:
-        try:
-            conn = listener.accept()
-        except OSError:  # closed by STOP
-            return
-        threading.Thread(target=handle, args=(conn,), daemon=True).start()
+    with listener:
+        while not stopping.is_set():
+            try:
+                conn = listener.accept()
+            except OSError:
+                return
+            if stopping.is_set():  # STOP's wake-up call
+                conn.close()
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
 
 def corrupt_received(
@@ -280,11 +287,13 @@ class FanoutClient:
     """Calls every worker, blocks on all; raises `WeightSyncRPCError` naming the worker.
 
     The first error raises at once (a worker that refused, or is gone), naming the
-    worker. As in a vLLM engine, which runs one call at a time, a worker runs this
-    client's calls in order: a call that raised before every worker answered leaves
-    those answers owed, and the next call waits for them (within `timeout_s`)
-    before it goes out, so it never runs beside the one before it (an abort one
-    worker refused, "no round", has run on the others before the next start).
+    worker; a worker that cannot be reached raises its `ConnectionError` after every
+    other worker got the call. As in a vLLM engine, which runs one call at a time,
+    a worker runs this client's calls in order: a call that raised before every
+    worker answered leaves those answers owed, and the next call waits for them
+    (within `timeout_s`) before it goes out, so it never runs beside the one before
+    it (an abort one worker refused, "no round", has run on the others before the
+    next start).
     """
 
     def __init__(self, addresses: list[Any], timeout_s: float = CALL_TIMEOUT_S) -> None:
@@ -300,11 +309,16 @@ class FanoutClient:
         self.addresses, self.timeout_s = state["addresses"], state["timeout_s"]
         self._conns, self._owed = [None] * len(self.addresses), set()
 
-    def _connections(self) -> list[Connection]:
+    def _connect(self) -> dict[int, OSError]:
+        """Connect to every worker not connected; the workers unreachable, by index."""
+        unreachable: dict[int, OSError] = {}
         for i, c in enumerate(self._conns):
             if c is None:
-                self._conns[i] = Client(self.addresses[i], authkey=AUTHKEY)
-        return [c for c in self._conns if c is not None]
+                try:
+                    self._conns[i] = Client(self.addresses[i], authkey=AUTHKEY)
+                except OSError as e:
+                    unreachable[i] = e
+        return unreachable
 
     def _drop(self, i: int) -> None:
         c, self._conns[i] = self._conns[i], None
@@ -340,9 +354,13 @@ class FanoutClient:
 
         deadline = time.monotonic() + self.timeout_s
         self._settle(method, deadline)
-        conns = self._connections()
+        unreachable = self._connect()
+        conns = [c for c in self._conns if c is not None]
         for c in conns:
             c.send((method, args, kwargs))
+        if unreachable:  # the others run the call (an abort reaches the survivors at once)
+            self._owed = {j for j, c in enumerate(self._conns) if c is not None}
+            raise next(iter(unreachable.values()))  # (a ConnectionError, as before)
         results: list[Any] = [None] * len(conns)
         pending = set(range(len(conns)))
         while pending:
