@@ -275,3 +275,87 @@ def test_a_round_that_reaches_no_update_never_makes_the_model_unservable(
     assert generate(llm) == references.outputs(engine.seed)
     engine.sync(3 if engine.seed != 3 else 2)
     assert generate(llm) == references.outputs(engine.seed)
+
+
+def _state(llm: Any) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `llm`'s model as its kernels hold them, on the host."""
+
+    def read(worker: Any) -> dict[str, torch.Tensor]:
+        model = worker.model_runner.model
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        return {n: t.detach().cpu().clone() for n, t in tensors.items() if not t.is_meta}
+
+    return llm.collective_rpc(read)[0]  # type: ignore[no-any-return]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="vLLM's CPU build quantizes nothing online: FP8 needs its CUDA kernels, and its "
+    "int8 method quantizes fused-MoE experts only, for which it has no CPU kernel",
+)
+@pytest.mark.parametrize("quantization", ["fp8_per_tensor", "fp8_per_block"])
+def test_a_bf16_sync_into_an_engine_quantizing_online_equals_a_fresh_quantized_engine(
+    tiny_dirs: Any, quantization: str, tmp_path: Any
+) -> None:
+    """A BF16 trainer sends the checkpoint's weights; the engine's layerwise reload
+    quantizes them. After each round every parameter (FP8 weights and their scales)
+    equals a fresh quantized engine's of the target, and so do the tokens; a refused
+    round changes nothing. The sync's time is printed beside vLLM's own reload."""
+    import time
+
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    from tests.sources import DictSource
+    from tests.vllm.conftest import INITIAL_SEED, KEEP_ALIVE, LLM_KWARGS, connect
+    from weight_transfer import LocalVLLMWeightSyncClient
+
+    kwargs = {**LLM_KWARGS, "dtype": "bfloat16", "quantization": quantization}
+    llm = LLM(
+        model=tiny_dirs[INITIAL_SEED],
+        weight_transfer_config=WeightTransferConfig(backend="wt_nccl"),
+        **kwargs,
+    )
+    KEEP_ALIVE.append(llm)
+    fresh: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}
+    for seed in (2, 3):
+        reference = LLM(model=tiny_dirs[seed], **kwargs)
+        KEEP_ALIVE.append(reference)
+        fresh[seed] = (generate(reference), _state(reference))
+    assert any(t.dtype == torch.float8_e4m3fn for t in fresh[2][1].values()), quantization
+
+    def weights(seed: int) -> dict[str, torch.Tensor]:  # what a BF16 trainer holds
+        return {n: p.detach().to(torch.bfloat16) for n, p in hf_model(seed).named_parameters()}
+
+    source = DictSource(weights(2))
+    trainer = connect("nccl", LocalVLLMWeightSyncClient(llm), source, str(tmp_path))
+    seconds: dict[str, list[float]] = {"wt": [], "reload": []}
+    try:
+        for seed in (2, 3, 2):
+            source.tensors = weights(seed)
+            t0 = time.perf_counter()
+            trainer.send_weights()
+            seconds["wt"].append(time.perf_counter() - t0)
+            tokens, state = fresh[seed]
+            got = _state(llm)
+            assert [n for n in state if not torch.equal(got[n], state[n])] == [], seed
+            assert generate(llm) == tokens, seed
+        before = _state(llm)
+        down = "model.layers.1.mlp.down_proj.weight"
+        source.tensors = {**weights(3), down: torch.zeros(7, 128, dtype=torch.bfloat16)}
+        with pytest.raises(Exception, match="down_proj"):
+            trainer.send_weights()
+        after = _state(llm)
+        assert [n for n in before if not torch.equal(after[n], before[n])] == []
+    finally:
+        trainer.shutdown()
+    for seed in (3, 2):
+        t0 = time.perf_counter()
+        llm.collective_rpc(
+            "reload_weights", kwargs={"weights_path": tiny_dirs[seed], "is_checkpoint_format": True}
+        )
+        seconds["reload"].append(time.perf_counter() - t0)
+    assert generate(llm) == fresh[2][0]
+    wt, reload = sorted(seconds["wt"]), sorted(seconds["reload"])
+    print(f"{quantization}: wt sync {wt} s, vLLM's reload of the same engine {reload} s")

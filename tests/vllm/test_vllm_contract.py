@@ -164,3 +164,32 @@ def test_the_entry_points_wt_wraps_are_where_it_wraps_them_in_the_installed_vllm
     from vllm.v1.worker.gpu_worker import Worker
 
     assert "self._weight_update_active = False" in inspect.getsource(Worker.__init__)
+
+
+def test_an_engine_with_eplb_refuses_every_init_naming_eplb() -> None:
+    """EPLB moves experts between physical slots at run time (vLLM's CPU build cannot
+    run it: the config is built, not an engine); the engine's configuration alone
+    refuses the init, before the backend connects."""
+    from vllm.config import ParallelConfig, VllmConfig
+
+    from tests.core.helpers import EchoEngine, TinyModel
+    from weight_transfer import WeightTransferConfig
+    from weight_transfer.payload import WIRE_PROTOCOL_VERSION
+    from weight_transfer.runtime.hosts import register_host
+    from weight_transfer.runtime.worker_round import guarded
+    from weight_transfer.vllm.host import VLLMHost
+
+    register_host(VLLMHost())  # as wt's vLLM plugin does in every vLLM process
+    init = {"wire_protocol": WIRE_PROTOCOL_VERSION, "endpoint": "tcp://127.0.0.1:1"}
+    for eplb in (True, False):
+        config = VllmConfig(parallel_config=ParallelConfig())
+        # set after the checks, which want a GPU engine for EPLB
+        object.__setattr__(config.parallel_config, "enable_eplb", eplb)
+        engine = guarded(EchoEngine(WeightTransferConfig("echo"), config, "cpu", TinyModel()))
+        if eplb:
+            with pytest.raises(ValueError, match=r"EPLB, enable_eplb=True.*--enable-eplb"):
+                engine.init_transfer_engine(engine.parse_init_info(init))
+            assert engine.calls == [] and not engine.connected
+        else:
+            engine.init_transfer_engine(engine.parse_init_info(init))
+            assert engine.calls == ["init"] and engine.connected

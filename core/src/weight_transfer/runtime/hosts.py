@@ -50,7 +50,9 @@ class Host(Protocol):
 
     # Optional: `adapter_loader(model, vllm_config, adapter)`, the loader of a round
     # that updates a LoRA adapter (`weight_transfer.runtime.adapters`); a host
-    # without it refuses such rounds.
+    # without it refuses such rounds. `unsupported(vllm_config)`: why this host's
+    # configuration cannot take weight updates (a string naming the feature and
+    # what to change), or None; a worker refuses every init while it says so.
 
 
 _hosts: list[Host] = []

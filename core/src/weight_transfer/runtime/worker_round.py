@@ -568,6 +568,7 @@ class GuardedEngine:
                 )
             if check is not None and holder is not None and not takeover:
                 self._admit(check, holder)
+            self._refuse_unsupported_host()
             subclass_init()
             self.connected = True
             self.release_held()  # a trainer connected: what the last one held is moot
@@ -576,6 +577,15 @@ class GuardedEngine:
             timeout_s = getattr(init_info, "timeout_s", None)
             if isinstance(timeout_s, (int, float)) and timeout_s > 0:
                 self.round_timeout_s = float(timeout_s)
+
+    def _refuse_unsupported_host(self) -> None:
+        """`ValueError` when the host says its configuration takes no update
+        (`Host.unsupported`: vLLM with EPLB)."""
+        host = host_of(self.backend.vllm_config)
+        unsupported = getattr(host, "unsupported", None)
+        why = unsupported(self.backend.vllm_config) if callable(unsupported) else None
+        if why is not None:
+            raise ValueError(f"{type(self.backend).__name__}: {why}")
 
     def _admit(self, check: ControlCheck, holder: ControlCheck) -> None:
         """One trainer per engine: refuse trainer `check` while a different trainer

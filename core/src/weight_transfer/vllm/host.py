@@ -30,6 +30,19 @@ class VLLMHost:
 
         return AdapterLoader(model, vllm_config, adapter)
 
+    def unsupported(self, vllm_config: Any) -> str | None:
+        """EPLB moves experts between physical slots at run time; a checkpoint-format
+        update does not follow those moves (it can land on the wrong logical experts,
+        silently), so an engine with EPLB takes no update."""
+        parallel = getattr(vllm_config, "parallel_config", None)
+        if getattr(parallel, "enable_eplb", False):
+            return (
+                "this engine runs expert-parallel load balancing (EPLB, enable_eplb=True): "
+                "its physical expert slots move at run time and wt does not map updates "
+                "onto them; start the engine without --enable-eplb to sync weights through wt"
+            )
+        return None
+
     def generation(self) -> Any:
         from weight_transfer.vllm.serving import Generation
 
