@@ -75,6 +75,17 @@ def sampling_params() -> Any:
     )
 
 
+def engine_state(llm: Any) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `llm`'s model as its kernels hold them, on the host."""
+
+    def read(worker: Any) -> dict[str, torch.Tensor]:
+        model = worker.model_runner.model
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        return {n: t.detach().cpu().clone() for n, t in tensors.items() if not t.is_meta}
+
+    return llm.collective_rpc(read)[0]  # type: ignore[no-any-return]
+
+
 def generate(llm: Any, prompts: list[str] = PROMPTS, lora_request: Any = None) -> Outputs:
     """Greedy tokens and logprobs of `llm` for `prompts` (on a LoRA adapter: `lora_request`)."""
     return outputs_of(

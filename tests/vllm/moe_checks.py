@@ -25,19 +25,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch
 
+from tests.vllm.conftest import engine_state as _state
+
 SEEDS = (1, 2)
 SYNCED = [("nccl", 64), ("nccl", 48)]  # 64: same shapes; 48: the kernel pads
-
-
-def _state(llm: Any) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of `llm`'s model, as the kernels hold them."""
-
-    def read(worker: Any) -> dict[str, torch.Tensor]:
-        model = worker.model_runner.model
-        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        return {n: t.detach().clone() for n, t in tensors.items() if not t.is_meta}
-
-    return llm.collective_rpc(read)[0]  # type: ignore[no-any-return]
 
 
 def _checkpoint(path: str) -> dict[str, torch.Tensor]:

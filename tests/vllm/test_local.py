@@ -277,17 +277,6 @@ def test_a_round_that_reaches_no_update_never_makes_the_model_unservable(
     assert generate(llm) == references.outputs(engine.seed)
 
 
-def _state(llm: Any) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of `llm`'s model as its kernels hold them, on the host."""
-
-    def read(worker: Any) -> dict[str, torch.Tensor]:
-        model = worker.model_runner.model
-        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        return {n: t.detach().cpu().clone() for n, t in tensors.items() if not t.is_meta}
-
-    return llm.collective_rpc(read)[0]  # type: ignore[no-any-return]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -308,7 +297,7 @@ def test_a_bf16_sync_into_an_engine_quantizing_online_equals_a_fresh_quantized_e
     from vllm.config import WeightTransferConfig
 
     from tests.sources import DictSource
-    from tests.vllm.conftest import INITIAL_SEED, KEEP_ALIVE, LLM_KWARGS, connect
+    from tests.vllm.conftest import INITIAL_SEED, KEEP_ALIVE, LLM_KWARGS, connect, engine_state
     from weight_transfer import LocalVLLMWeightSyncClient
 
     kwargs = {**LLM_KWARGS, "dtype": "bfloat16", "quantization": quantization}
@@ -322,7 +311,7 @@ def test_a_bf16_sync_into_an_engine_quantizing_online_equals_a_fresh_quantized_e
     for seed in (2, 3):
         reference = LLM(model=tiny_dirs[seed], **kwargs)
         KEEP_ALIVE.append(reference)
-        fresh[seed] = (generate(reference), _state(reference))
+        fresh[seed] = (generate(reference), engine_state(reference))
     assert any(t.dtype == torch.float8_e4m3fn for t in fresh[2][1].values()), quantization
 
     def weights(seed: int) -> dict[str, torch.Tensor]:  # what a BF16 trainer holds
@@ -338,15 +327,15 @@ def test_a_bf16_sync_into_an_engine_quantizing_online_equals_a_fresh_quantized_e
             trainer.send_weights()
             seconds["wt"].append(time.perf_counter() - t0)
             tokens, state = fresh[seed]
-            got = _state(llm)
+            got = engine_state(llm)
             assert [n for n in state if not torch.equal(got[n], state[n])] == [], seed
             assert generate(llm) == tokens, seed
-        before = _state(llm)
+        before = engine_state(llm)
         down = "model.layers.1.mlp.down_proj.weight"
         source.tensors = {**weights(3), down: torch.zeros(7, 128, dtype=torch.bfloat16)}
         with pytest.raises(Exception, match="down_proj"):
             trainer.send_weights()
-        after = _state(llm)
+        after = engine_state(llm)
         assert [n for n in before if not torch.equal(after[n], before[n])] == []
     finally:
         trainer.shutdown()

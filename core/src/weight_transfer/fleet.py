@@ -428,7 +428,9 @@ class FanOutClient:
     def shutdown_weight_transfer_engine(self) -> None:
         """Shut down every replica's engine (each drops its trainer); the first
         failure raises once every replica answered."""
-        self._each("shutdown", lambda i, r: r.shutdown_weight_transfer_engine())
+        self._each(
+            "shutdown_weight_transfer_engine", lambda i, r: r.shutdown_weight_transfer_engine()
+        )
 
     def weight_versions(self) -> list[str | None]:
         """Every replica's version label (None where its client cannot read it)."""

@@ -187,7 +187,8 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
     def local(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if method == STOP:  # an in-process worker: its thread ends, its engine shuts down
             stopping.set()
-            with contextlib.suppress(OSError):  # wakes the accept below (closing would not)
+            # a connection wakes the accept below (closing the listener would not)
+            with contextlib.suppress(OSError, EOFError):
                 Client(listener.address, authkey=AUTHKEY).close()
             session.shutdown_weight_transfer_engine()
             return None
@@ -238,7 +239,7 @@ def _serve(spec: WorkerSpec, ready: Any) -> None:
                     return
 
     with listener:
-        while not stopping.is_set():
+        while True:
             try:
                 conn = listener.accept()
             except OSError:
