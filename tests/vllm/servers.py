@@ -41,6 +41,8 @@ READY_TIMEOUT_S = 240.0
 LORA_ARGS = ("--enable-lora", "--max-lora-rank", "16", "--max-loras", "2")
 # A second name the base model is served under (requests may name either).
 SERVED_NAME = "tiny-base"
+# The tiny model has no chat template: chat requests get the messages' contents in order.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 class Server:
@@ -98,6 +100,8 @@ class Server:
             SERVED_NAME,
             "--tensor-parallel-size",
             str(self.tensor_parallel_size),
+            "--chat-template",
+            CHAT_TEMPLATE,
             *LORA_ARGS,
         ]
         self._log = open(self.log_path, "ab")  # noqa: SIM115

@@ -20,6 +20,7 @@ import pytest
 
 from tests.vllm.conftest import (
     INITIAL_SEED,
+    PROMPTS,
     AlteredSource,
     References,
     SwitchSource,
@@ -315,6 +316,100 @@ def test_http_ten_syncs_under_a_steady_stream_of_completions(
     finally:
         trainer.shutdown()
         http.close()
+
+
+STREAMED_TOKENS = 200  # of the server's 256-token context: the round lands mid-stream
+
+
+def test_http_every_choice_names_the_weight_versions_that_made_its_tokens(
+    server: Server, references: References, tmp_path: Any
+) -> None:
+    """A round under `pause="keep"` in the middle of a streamed greedy generation:
+    the chunk that finishes it names both versions, and the spans put the boundary
+    where the tokens switch from the old weights' greedy continuation to a fresh
+    engine's continuation on the new weights; choices of other requests name the
+    one version they ran under (completions and chat, streamed or not)."""
+    import json
+    import threading
+
+    from vllm import SamplingParams
+
+    http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
+    source = SwitchSource(ModuleSource(hf_model(2)))
+    trainer = connect(BACKEND, http, source, str(tmp_path))
+    body = {
+        "model": server.model_dir, "prompt": PROMPTS[1], "max_tokens": STREAMED_TOKENS,
+        "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True,
+        "weight_version_spans": True,
+    }  # fmt: skip
+    prompt_ids: list[int] = []
+    tokens: list[int] = []
+    finished: dict[str, Any] = {}
+    first_tokens = threading.Event()
+
+    def stream() -> None:
+        with (
+            httpx.Client(base_url=server.url, timeout=120.0) as client,
+            client.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                (choice,) = json.loads(line.removeprefix("data: "))["choices"]
+                prompt_ids.extend(choice.get("prompt_token_ids") or ())
+                tokens.extend(choice.get("token_ids") or ())
+                if tokens and not first_tokens.is_set():
+                    client.post("/pause", params={"mode": "keep"})  # freeze it mid-stream
+                    first_tokens.set()
+                if choice.get("finish_reason") is not None:
+                    finished.update(choice)
+
+    try:
+        trainer.send_weights(weight_version="spans-a")
+        reader = threading.Thread(target=stream, name="streamed-completion", daemon=True)
+        reader.start()
+        assert first_tokens.wait(60), "no streamed token within 60 s"
+        source.inner = ModuleSource(hf_model(3))
+        trainer.send_weights(weight_version="spans-b")  # resumes the frozen stream
+        reader.join(120)
+        assert not reader.is_alive(), "the streamed completion did not finish"
+    finally:
+        trainer.shutdown()
+        http.close()
+
+    assert len(tokens) == STREAMED_TOKENS, len(tokens)
+    assert finished["weight_versions"] == ["spans-a", "spans-b"], finished
+    first, second = finished["weight_version_spans"]
+    boundary = first["end"]
+    assert first == {"version": "spans-a", "start": 0, "end": boundary}
+    assert second == {"version": "spans-b", "start": boundary, "end": STREAMED_TOKENS}
+    assert 0 < boundary < STREAMED_TOKENS
+
+    def greedy(seed: int, prompt: list[int], count: int) -> list[int]:
+        engine = references.engines[seed]
+        params = SamplingParams(temperature=0.0, max_tokens=count, ignore_eos=True)
+        (out,) = engine.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        return list(out.outputs[0].token_ids)
+
+    references.outputs(3)  # the fresh engines of seeds 2 and 3 are up
+    assert tokens[:boundary] == greedy(2, prompt_ids, boundary)
+    assert tokens[boundary:] == greedy(3, prompt_ids + tokens[:boundary], len(tokens) - boundary)
+
+    plain = {"model": server.model_dir, "max_tokens": 4, "temperature": 0.0}
+    done = server.http.post("/v1/completions", json={**plain, "prompt": PROMPTS[:2]}).json()
+    assert [c["weight_versions"] for c in done["choices"]] == [["spans-b"], ["spans-b"]]
+    assert "weight_version_spans" not in done["choices"][0]
+    chat = {**plain, "messages": [{"role": "user", "content": PROMPTS[0]}]}
+    answer = server.http.post("/v1/chat/completions", json=chat).json()
+    assert answer["choices"][0]["weight_versions"] == ["spans-b"], answer
+    with server.http.stream(
+        "POST", "/v1/chat/completions", json={**chat, "stream": True, "weight_version_spans": True}
+    ) as response:
+        chunks = [json.loads(x[6:]) for x in response.iter_lines() if x.startswith("data: {")]
+    (last,) = [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+    assert last["choices"][0]["weight_version_spans"] == [
+        {"version": "spans-b", "start": 0, "end": 4}
+    ]
 
 
 def test_http_an_update_vllm_refuses_before_the_engine_keeps_the_engine_servable(

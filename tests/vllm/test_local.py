@@ -16,11 +16,14 @@ import torch
 from tests.sources import DisagreeingSource
 from tests.vllm.conftest import (
     LONG_PROMPTS,
+    MAX_TOKENS,
+    PROMPTS,
     AlteredSource,
     References,
     ServedEngines,
     generate,
     hf_model,
+    sampling_params,
 )
 from weight_transfer import ModuleSource, WeightSyncRPCError
 from weight_transfer.runtime.control import SEAL_FIELD
@@ -43,6 +46,11 @@ def test_three_rounds_match_fresh_engines(
         engine.sync(seed, version=version)
         assert generate(engine.llm) == references.outputs(seed), f"round {round_} (seed {seed})"
         assert engine.llm.get_weight_version() == version
+    # vLLM's own outputs name the version that made their tokens: the trainer's label
+    (out,) = engine.llm.generate(PROMPTS[:1], sampling_params(), use_tqdm=False)
+    assert [(s.version, s.start, s.end) for s in out.outputs[0].weight_versions] == [
+        (version, 0, MAX_TOKENS)
+    ]
 
 
 def _bad_sources(seed: int) -> dict[str, tuple[Any, str]]:

@@ -18,12 +18,15 @@ service (`serving.serve_generation`), through which a worker in a process of
 its own reaches its engine core to resume generation after a round that lost
 its trainer, and installs wt's wrappers of vLLM's entry points
 (`patches.install`: finishes carry their label to the workers; requests on
-wt adapters are admitted only while served).
+wt adapters are admitted only while served) and, in an API server, into its
+OpenAI handlers (`versions.install`: each choice says which weight versions
+made its tokens).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 from weight_transfer.vllm import BACKEND_PREFIX
 
@@ -32,6 +35,7 @@ __all__ = ["register", "vllm_backend_name"]
 logger = logging.getLogger("weight_transfer.vllm")
 
 ENGINES_MODULE = "weight_transfer.vllm.engines"
+API_SERVER_MODULE = "vllm.entrypoints.launchers.app"  # imported by vLLM's API servers
 
 
 def vllm_backend_name(name: str) -> str:
@@ -64,4 +68,8 @@ def register() -> list[str]:
     register_host(VLLMHost())
     serve_generation()
     patches.install()
+    if API_SERVER_MODULE in sys.modules:  # an API server (not its engine's processes)
+        from weight_transfer.vllm import versions
+
+        versions.install()
     return added
