@@ -48,12 +48,27 @@ def server(servers: Any) -> Server:
     return servers(BACKEND)[0]
 
 
+def scrape(server: Server) -> dict[str, float]:
+    """The server's `/metrics` samples of wt's and vLLM's weight-transfer series, by
+    their text (`name{labels}`)."""
+    text = server.http.get("/metrics").text
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith(("wt:weight_sync", "vllm:rl_weight_update")):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
 def test_http_sync_rounds_and_failures(
     server: Server, references: References, tmp_path: Any
 ) -> None:
+    """Three rounds, a round vLLM's loader refuses, a stranger's refused update, a
+    good round; the server's `/metrics` counts each as what it was."""
     http = HTTPVLLMWeightSyncClient(server.url, timeout=120.0)
     source = SwitchSource(ModuleSource(hf_model(INITIAL_SEED)))
     trainer = connect(BACKEND, http, source, str(tmp_path))
+    before = scrape(server)
     try:
         for round_, seed in enumerate((2, 3, 2), start=1):
             source.inner = ModuleSource(hf_model(seed))
@@ -74,6 +89,12 @@ def test_http_sync_rounds_and_failures(
         assert server.generate() == references.outputs(2)
         assert server.weight_version() == "http-3"
 
+        stranger = HTTPVLLMWeightSyncClient(server.url, timeout=60.0, pause=None)
+        stranger.start_weight_update()
+        with pytest.raises(WeightSyncRPCError, match="wt_auth"):
+            stranger.update_weights({"wt_revert": "a caller without the trainer's key"})
+        stranger.close()
+
         source.inner = ModuleSource(hf_model(3))
         trainer.send_weights(weight_version="http-4")
         assert server.generate() == references.outputs(3)
@@ -81,6 +102,24 @@ def test_http_sync_rounds_and_failures(
     finally:
         trainer.shutdown()
         http.close()
+
+    after = scrape(server)
+
+    def grew(sample: str) -> float:
+        return after.get(sample, 0.0) - before.get(sample, 0.0)
+
+    wt = 'backend="NCCLWorkerEngine"'
+    assert grew(f'wt:weight_sync_rounds_total{{{wt},outcome="committed"}}') == 4
+    assert grew(f'wt:weight_sync_rounds_total{{{wt},outcome="rolled_back"}}') == 1
+    assert grew(f'wt:weight_sync_rounds_total{{{wt},outcome="refused"}}') == 1
+    model_bytes = sum(p.numel() * p.element_size() for p in hf_model(3).parameters())
+    assert grew(f"wt:weight_sync_bytes_total{{{wt}}}") == 4 * model_bytes
+    for phase in ("wire", "load", "rollback"):
+        assert grew(f'wt:weight_sync_phase_seconds_total{{{wt},phase="{phase}"}}') > 0, phase
+    assert grew(f'wt:weight_sync_phase_seconds_total{{{wt},phase="verify"}}') == 0
+    # vLLM's own series count every call, the refused and failed ones too
+    calls = 'vllm:rl_weight_update_operation_duration_seconds_count{operation="update"}'
+    assert grew(calls) >= 6, (before.get(calls), after.get(calls))
 
 
 KILLABLE_TRAINER = """

@@ -27,6 +27,7 @@ from tests.vllm.conftest import (
 )
 from weight_transfer import ModuleSource, WeightSyncRPCError
 from weight_transfer.runtime.control import SEAL_FIELD
+from weight_transfer.vllm.metrics import engine_metrics
 
 pytest.importorskip("vllm")
 
@@ -41,11 +42,16 @@ def test_three_rounds_match_fresh_engines(
 ) -> None:
     engine = served(backend)
     assert generate(engine.llm) == references.outputs(engine.seed)
+    before = engine_metrics(engine.llm)
     for round_, seed in enumerate((2, 3, 2 if engine.seed != 2 else 1), start=1):
         version = f"{backend}-round-{round_}"
         engine.sync(seed, version=version)
         assert generate(engine.llm) == references.outputs(seed), f"round {round_} (seed {seed})"
         assert engine.llm.get_weight_version() == version
+    # the engine's round metrics, read from the LLM, counted the three rounds
+    label = type(engine.worker_engine.backend).__name__
+    committed = engine_metrics(engine.llm)[label]["rounds"]["committed"]
+    assert committed - (before[label]["rounds"]["committed"] if label in before else 0) == 3
     # vLLM's own outputs name the version that made their tokens: the trainer's label
     (out,) = engine.llm.generate(PROMPTS[:1], sampling_params(), use_tqdm=False)
     assert [(s.version, s.start, s.end) for s in out.outputs[0].weight_versions] == [

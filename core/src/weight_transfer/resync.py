@@ -133,6 +133,11 @@ class ParamListUpdateInfo(WeightTransferUpdateInfo):
                 dtype_from_name(d, field=f"dtype_names[{i}]")
 
     @property
+    def nbytes(self) -> int:
+        """The bytes of the round's parameters (what this update moves)."""
+        return sum(meta.nbytes for meta in self.metas)
+
+    @property
     def metas(self) -> list[ParamMeta]:
         """The decoded parameter list (decoded on first use; `LayoutMemo` reuses it)."""
         if self._metas is None:

@@ -10,11 +10,14 @@ seconds each thread of this process spends in each phase of `PHASES` to
   last sends to drain);
 - `unpack`: a worker turning a received bucket back into tensors;
 - `undo`: a worker's undo record (`ModelSnapshot.take`);
-- `load`: a worker loading tensors into the model, and committing the round.
+- `load`: a worker loading tensors into the model, and committing the round;
+- `verify`: a worker checking a bucket's digests.
 
 Phases on different threads overlap (the load runs while the trainer packs),
-so their sum may exceed the round. With no clock open, `timed` costs one
-global read. One clock at a time, process-wide.
+so their sum may exceed the round. One clock at a time, process-wide. Apart
+from any clock, `total(phase)` is the seconds this process has spent in
+`phase` since it started (a worker's round metrics read it:
+`weight_transfer.runtime.metrics`); `timed` costs two clock reads.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["PHASES", "PhaseClock", "timed"]
+__all__ = ["PHASES", "PhaseClock", "timed", "total"]
 
-PHASES = ("check", "pack", "wire", "unpack", "undo", "load")
+PHASES = ("check", "pack", "wire", "unpack", "undo", "load", "verify")
 
 _open: PhaseClock | None = None
+_totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+_totals_lock = threading.Lock()
 
 
 class PhaseClock:
@@ -55,15 +60,22 @@ class PhaseClock:
         _open = None
 
 
+def total(phase: str) -> float:
+    """Seconds this process has spent in `phase` since it started."""
+    return _totals[phase]
+
+
 @contextlib.contextmanager
 def timed(phase: str) -> Iterator[None]:
-    """Count the enclosed seconds to `phase` of the open clock, if any."""
-    clock = _open
-    if clock is None:
-        yield
-        return
+    """Count the enclosed seconds to `phase`: to the process's total, and to the open
+    clock, if any."""
     start = time.perf_counter()
     try:
         yield
     finally:
-        clock.add(phase, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        with _totals_lock:
+            _totals[phase] += seconds
+        clock = _open
+        if clock is not None:
+            clock.add(phase, seconds)

@@ -46,6 +46,7 @@ from typing import Any, ClassVar
 from weight_transfer.base import WeightTransferEngine
 from weight_transfer.loading import Revertible, Transaction
 from weight_transfer.rounds import AlignedFailure
+from weight_transfer.runtime import metrics, phases
 from weight_transfer.runtime.adapters import ADAPTER_FIELD, Adapter
 from weight_transfer.runtime.control import (
     ABORT_FIELD,
@@ -115,7 +116,9 @@ class GuardedEngine:
         "_held_label",
         "_held_paused",
         "_hold",
+        "_phase_marks",
         "_progress",
+        "_rolled_back",
         "_round_label",
         "_round_loaded",
         "_round_lock",
@@ -138,6 +141,8 @@ class GuardedEngine:
         self.transaction: Transaction | None = None
         self.held: Revertible | None = None  # a committed round kept for revert (HOLD_FIELD)
         self._hold = False  # this round's commit keeps its undo record
+        self._rolled_back = 0  # rounds (and held commits) undone: see `_refusals_counted`
+        self._phase_marks: tuple[float, float] | None = None  # load, verify seconds at the start
         self.round_timeout_s = DEFAULT_TIMEOUT_S
         self._round_lock = threading.RLock()
         self._busy = False
@@ -198,19 +203,23 @@ class GuardedEngine:
         return info
 
     def init_transfer_engine(self, init_info: Any) -> None:
-        self._connect(init_info, lambda: self.backend.init_transfer_engine(init_info))
+        with self._refusals_counted():
+            self._connect(init_info, lambda: self.backend.init_transfer_engine(init_info))
 
     def start_weight_update(self) -> None:
-        self._open_round(self.backend.start_weight_update)
+        with self._refusals_counted():
+            self._open_round(self.backend.start_weight_update)
 
     def update_weights(self, update_info: Any) -> None:
         """One update: a control, or the backend's weights; on any failure the round is
         aborted before the error propagates. `{ABORT_FIELD: reason}` rolls the open
         round back and raises `RoundAbortedError`, which closes the host's round too."""
-        self._update(update_info)
+        with self._refusals_counted():
+            self._update(update_info)
 
     def finish_weight_update(self) -> None:
-        self._close_round(self.backend.finish_weight_update)
+        with self._refusals_counted():
+            self._close_round(self.backend.finish_weight_update)
 
     def abort_weight_update(self) -> None:
         """The host's abort (vLLM's `abort_weight_update`): roll the open round back,
@@ -248,6 +257,30 @@ class GuardedEngine:
     @property
     def round_open(self) -> bool:
         return self.transaction is not None
+
+    # -- metrics (`weight_transfer.runtime.metrics`) --------------------------
+    @property
+    def _label(self) -> str:
+        return type(self.backend).__name__
+
+    @contextlib.contextmanager
+    def _refusals_counted(self) -> Iterator[None]:
+        """A call that fails without undoing anything counts as a refused round."""
+        rolled_back = self._rolled_back
+        try:
+            yield
+        except BaseException:
+            if self._rolled_back == rolled_back:
+                metrics.count_round(self._label, "refused")
+            raise
+
+    def _count_round_end(self, outcome: str) -> None:
+        """Count the round's outcome and the load and verify seconds it took."""
+        metrics.count_round(self._label, outcome)
+        marks, self._phase_marks = self._phase_marks, None
+        if marks is not None:
+            metrics.count_seconds(self._label, "load", phases.total("load") - marks[0])
+            metrics.count_seconds(self._label, "verify", phases.total("verify") - marks[1])
 
     def release_held(self) -> None:
         """Drop the undo record a held commit kept (`HOLD_FIELD`); idempotent."""
@@ -311,6 +344,7 @@ class GuardedEngine:
             transaction = self.backend.new_transaction()
             transaction.begin()
             self.transaction = transaction
+            self._phase_marks = (phases.total("load"), phases.total("verify"))
             self._hold = False
             self._sealed = False
             self._sealed_as = self._committed_as = None
@@ -350,6 +384,7 @@ class GuardedEngine:
             self._hold = False
             if self._round_loaded:
                 self.incomplete = None  # a round that loaded has landed
+                self._count_round_end("committed")
             self._round_loaded = False
             if self._control is not None and self._sealed_as is not None:
                 self._committed_as = self._sealed_as
@@ -510,6 +545,7 @@ class GuardedEngine:
         """
         transaction = self.transaction
         failures: list[BaseException] = []
+        started = time.perf_counter()
         try:
             for undo in (
                 self.backend.abort_weight_update,
@@ -523,6 +559,10 @@ class GuardedEngine:
                     failures.append(undo_error)
         finally:
             self.transaction = None
+            if transaction is not None and self._round_loaded:
+                self._rolled_back += 1
+                metrics.count_seconds(self._label, "rollback", time.perf_counter() - started)
+                self._count_round_end("rolled_back")
             if self._round_loaded and not getattr(transaction, "exact_undo", True):
                 self.incomplete = Refusal.MODEL_INCOMPLETE.say(
                     f"the model is incomplete: a round without an undo record "
@@ -666,10 +706,17 @@ class GuardedEngine:
         self._round_loaded = True  # from here the model may change
         if callable(prepare):
             prepare()
-        if own:
-            backend.update_weights(update_info)
-        else:
-            backend.receive_weights(info)
+        started = time.perf_counter()
+        try:
+            if own:
+                backend.update_weights(update_info)
+            else:
+                backend.receive_weights(info)
+        finally:
+            metrics.count_seconds(self._label, "wire", time.perf_counter() - started)
+        nbytes = getattr(info, "nbytes", None)
+        if isinstance(nbytes, int):
+            metrics.count_bytes(self._label, nbytes)
 
     def _note_pause(self) -> bool | None:
         """Generation's pause state now (None: unknown); a pause that began while this
@@ -718,7 +765,11 @@ class GuardedEngine:
         logger.warning(
             "%s: reverting the last committed round (%s)", type(self.backend).__name__, reason
         )
+        started = time.perf_counter()
         held.revert()
+        self._rolled_back += 1
+        metrics.count_seconds(self._label, "rollback", time.perf_counter() - started)
+        metrics.count_round(self._label, "rolled_back")
 
     def _target_adapter(self, payload: Any) -> None:
         """`ADAPTER_FIELD`: the open round updates that LoRA adapter, not the model.

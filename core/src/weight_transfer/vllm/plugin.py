@@ -18,7 +18,9 @@ service (`serving.serve_generation`), through which a worker in a process of
 its own reaches its engine core to resume generation after a round that lost
 its trainer, and installs wt's wrappers of vLLM's entry points
 (`patches.install`: finishes carry their label to the workers; requests on
-wt adapters are admitted only while served) and, in an API server, into its
+wt adapters are admitted only while served), its round metrics (`metrics.
+install`: the engine core answers its workers' totals, an API server publishes
+them on `/metrics`) and, in an API server, into its
 OpenAI handlers (`versions.install`: each choice says which weight versions
 made its tokens).
 """
@@ -61,13 +63,14 @@ def register() -> list[str]:
     if added:
         logger.debug("wt backends registered in vLLM: %s", ", ".join(added))
     from weight_transfer.runtime.hosts import register_host
-    from weight_transfer.vllm import patches
+    from weight_transfer.vllm import metrics, patches
     from weight_transfer.vllm.host import VLLMHost
     from weight_transfer.vllm.serving import serve_generation
 
     register_host(VLLMHost())
     serve_generation()
     patches.install()
+    metrics.install()
     if API_SERVER_MODULE in sys.modules:  # an API server (not its engine's processes)
         from weight_transfer.vllm import versions
 

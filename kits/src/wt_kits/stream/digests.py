@@ -86,6 +86,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weight_transfer.runtime.phases import timed
 from wt_kits.stream.packing import ALIGNMENT, Bucket, BucketPlan, as_bytes
 
 __all__ = [
@@ -474,9 +475,11 @@ class BucketDigests:
                 f"the trainer's digests of bucket {k} are {expected.dtype} "
                 f"{tuple(expected.shape)}, expected int64 {shape}"
             )
-        mine = self.of(k, buf)
-        expected = expected.to(mine.device)
-        if torch.equal(mine, expected):
+        with timed("verify"):
+            mine = self.of(k, buf)
+            expected = expected.to(mine.device)
+            same = torch.equal(mine, expected)
+        if same:
             return
         j = int((mine != expected).any(dim=1).nonzero()[0, 0])
         piece = bucket.pieces[j]
