@@ -17,6 +17,7 @@ import pytest
 from tests.core.helpers import ExampleNet, expected_digests
 from tests.harness import RecordingModel, digest
 from weight_transfer import (
+    FanOutClient,
     HTTPVLLMWeightSyncClient,
     LocalVLLMWeightSyncClient,
     ModuleSource,
@@ -353,6 +354,10 @@ class LLMShaped:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.calls.append(("finish", weight_version))
         self.session.finish_weight_update(weight_version)
+        self.version = weight_version
+
+    def get_weight_version(self) -> str | None:
+        return getattr(self, "version", None)
 
     def reset_prefix_cache(self) -> None:
         self.calls.append(("reset_prefix_cache", None))
@@ -391,6 +396,74 @@ def test_local_client_drives_an_in_process_worker_end_to_end(tmp_path: Path) -> 
         err.value
     )
     assert isinstance(err.value.__cause__, RuntimeError)
+
+
+def test_the_trainers_client_aborts_an_open_round_and_a_strangers_is_refused(
+    tmp_path: Path,
+) -> None:
+    """vLLM's `abort_weight_update` on a client: a trainer engine's client rolls the
+    round back (signed with the trainer's key); a client no trainer uses is refused
+    (a failed update ends the host's round anyway, as vLLM's worker does)."""
+    from wt_example.trainer import FileTrainerInitInfo
+
+    model = ExampleNet(seed=8)
+    worker_model = RecordingModel([n for n, _ in model.named_parameters()])
+    session = WorkerSession(
+        WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig("example_file"), None, "cpu", worker_model
+        )
+    )
+    llm = LLMShaped(session)
+    client = LocalVLLMWeightSyncClient(llm)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        FileTrainerInitInfo(str(tmp_path), rank=0), client=client, source=ModuleSource(model)
+    )
+    engine.send_weights(weight_version="v1")
+    engine.begin()  # a round open on the worker
+    stranger = LocalVLLMWeightSyncClient(llm)  # no trainer engine uses it: no key
+    with pytest.raises(WeightSyncRPCError, match="wt_auth"):
+        stranger.abort_weight_update("not mine")
+    engine.abort("the host ended the round")
+    engine.begin()
+    assert session.active
+    client.abort_weight_update("stopped by the caller")
+    assert not session.active
+    client.abort_weight_update("again")  # no round open: nothing happens
+    engine.abort("the workers rolled back")
+    worker_model.received.clear()
+    engine.send_weights(weight_version="v2")
+    assert {n: digest(t) for n, t in worker_model.received.items()} == expected_digests(model)
+
+
+def test_a_fleet_aborts_the_open_round_on_every_replica(tmp_path: Path) -> None:
+    from wt_example.trainer import FileTrainerInitInfo
+
+    model = ExampleNet(seed=9)
+    names = [n for n, _ in model.named_parameters()]
+    models = [RecordingModel(names) for _ in range(2)]
+    sessions = [
+        WorkerSession(
+            WeightTransferEngineFactory.create_engine(
+                WeightTransferConfig("example_file"), None, "cpu", m
+            )
+        )
+        for m in models
+    ]
+    fleet = FanOutClient([LocalVLLMWeightSyncClient(LLMShaped(s)) for s in sessions])
+    engine = WeightTransferTrainerFactory.trainer_init(
+        FileTrainerInitInfo(str(tmp_path), rank=0), client=fleet, source=ModuleSource(model)
+    )
+    engine.send_weights(weight_version="v1")
+    engine.begin()
+    assert all(s.active for s in sessions)
+    fleet.abort_weight_update("stopped by the caller")
+    assert not any(s.active for s in sessions)
+    engine.abort("the workers rolled back")
+    for m in models:
+        m.received.clear()
+    engine.send_weights(weight_version="v2")
+    for m in models:
+        assert {n: digest(t) for n, t in m.received.items()} == expected_digests(model)
 
 
 def test_local_client_passes_weight_version_only_when_given() -> None:

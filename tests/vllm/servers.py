@@ -60,6 +60,7 @@ class Server:
         self.model_dir = model_dir
         self.backend = backend
         self.tensor_parallel_size = tensor_parallel_size
+        self.extra_args: tuple[str, ...] = ()
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -103,6 +104,7 @@ class Server:
             "--chat-template",
             CHAT_TEMPLATE,
             *LORA_ARGS,
+            *self.extra_args,
         ]
         self._log = open(self.log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -110,12 +112,14 @@ class Server:
         )
         self.http = httpx.Client(base_url=self.url, timeout=120.0)
 
-    def restart(self, *, wait: bool = True) -> None:
+    def restart(self, *, wait: bool = True, extra_args: tuple[str, ...] = ()) -> None:
         """SIGKILL the server (its process group: front end and engine), then start a
-        fresh one on its port, in place; `wait`: until it is ready."""
+        fresh one on its port, in place, with `extra_args` added to its command line;
+        `wait`: until it is ready."""
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
         self.stop()
+        self.extra_args = extra_args
         self._launch()
         if wait:
             self.wait_ready()
@@ -124,7 +128,9 @@ class Server:
         with open(self.log_path, "rb") as f:
             return f.read()[-4000:].decode(errors="replace")
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, *, held: bool = False) -> None:
+        """Until `/health` answers 200 (`held`: or wt's 503 for a server held until its
+        first weight sync)."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -132,7 +138,8 @@ class Server:
                     f"vLLM server exited ({self.proc.returncode}):\n{self.log_tail()}"
                 )
             try:
-                if self.http.get("/health", timeout=2.0).status_code == 200:
+                health = self.http.get("/health", timeout=2.0)
+                if health.status_code == 200 or (held and "not ready" in health.text):
                     return
             except httpx.HTTPError:
                 pass

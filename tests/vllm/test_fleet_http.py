@@ -6,12 +6,15 @@ failure is injected at one replica in each phase in turn; afterwards both
 must serve tokens equal to a fresh engine loaded from the previous weights,
 with the previous version label, and the next sync must move both. Then
 a replica is killed (SIGKILL of the process group the session started) and
-restarted as a new process on its port: it rejoins at the next sync (the group
-is re-formed) without the trainer restarting, while the others keep serving.
+restarted as a new process on its port, held out of traffic until it has the
+trainer's weights (`weight_transfer.vllm.readiness`): it rejoins at the next
+sync (the group is re-formed) without the trainer restarting, while the others
+keep serving, and serves no request before.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,17 +29,20 @@ from tests.vllm.conftest import (
     hf_model,
     require_backend,
 )
-from tests.vllm.servers import Server, Traffic
+from tests.vllm.servers import Server, Traffic, completions
 from weight_transfer import (
     FanOutClient,
     FleetError,
     ModuleSource,
     WeightTransferTrainerFactory,
 )
+from weight_transfer.vllm.readiness import NOT_READY
 from wt_kits.group import free_port
 
+HOLD = "weight_transfer.vllm.readiness.hold_until_first_sync"
+
 pytest.importorskip("vllm")
-pytest.importorskip("httpx")
+httpx = pytest.importorskip("httpx")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -65,9 +71,9 @@ class Fleet:
             assert server.weight_version() == version, f"replica {i}"
             assert not self.clients[i].is_paused(), f"replica {i} was left paused"
 
-    def restart(self, i: int) -> None:
+    def restart(self, i: int, extra_args: tuple[str, ...] = ()) -> None:
         """Kill replica `i` (its server and engine) and start a new process on its port."""
-        self.servers[i].restart(wait=False)
+        self.servers[i].restart(wait=False, extra_args=extra_args)
 
     def stop(self) -> None:
         self.trainer.shutdown()
@@ -123,26 +129,81 @@ def test_fleet_all_or_nothing_in_every_phase(fleet: Fleet, references: Reference
     assert traffic.done >= len(FAULTS), traffic.done
 
 
-def test_a_restarted_replica_catches_up_at_the_next_sync(
+def test_a_restarted_replica_catches_up_at_the_next_sync_and_serves_nothing_before(
     fleet: Fleet, references: References
 ) -> None:
+    """The restarted replica runs with `hold_until_first_sync`: under a steady stream
+    of requests, it refuses every one (503, its health too) until the fleet's next
+    sync re-admits it, and serves every later one on the synced weights."""
     last = REPLICAS - 1
     fleet.sync(3, "before-restart")
-    fleet.restart(last)
+    fleet.restart(last, extra_args=("--middleware", HOLD))
     with pytest.raises(FleetError) as failed:  # the last replica is still starting
         fleet.sync(2, "while-down")
     assert (failed.value.phase, failed.value.replica) == ("start", last)
     for i in range(last):  # the others serve on, on their weights
         assert fleet.servers[i].generate() == references.outputs(3)
         assert fleet.servers[i].weight_version() == "before-restart"
-    fleet.servers[last].wait_ready()
-    assert fleet.servers[last].generate() == references.outputs(INITIAL_SEED)  # a fresh process
-    started = time.monotonic()
-    fleet.sync(2, "after-restart")  # re-forms the group, then moves both
-    print(f"sync with re-formed group: {time.monotonic() - started:.1f}s")
+    restarted = fleet.servers[last]
+    restarted.wait_ready(held=True)
+    health = restarted.http.get("/health")
+    assert health.status_code == 503 and NOT_READY in health.text
+    with Requests(restarted) as requests:
+        requests.wait(lambda: requests.refused > 0)
+        started = time.monotonic()
+        fleet.sync(2, "after-restart")  # re-forms the group, then moves both
+        print(f"sync with re-formed group: {time.monotonic() - started:.1f}s")
+        requests.wait(lambda: len(requests.served) > 0)
+    assert requests.failures == []
+    assert requests.refused > 0 and requests.served, (requests.refused, len(requests.served))
+    assert all(served == references.outputs(2) for served in requests.served)
+    assert restarted.http.get("/health").status_code == 200
     read = time.monotonic()
     assert fleet.client.weight_versions() == ["after-restart"] * REPLICAS
     assert time.monotonic() - read < 5.0  # every replica answers its control reads at once
     fleet.assert_serving(references, 2, "after-restart")
     fleet.sync(3, "steady")
     fleet.assert_serving(references, 3, "steady")
+
+
+class Requests:
+    """Greedy completions of `PROMPTS` at one server from one thread, in a loop:
+    `served` (the outputs of each 200), `refused` (503s naming wt's hold),
+    `failures` (anything else)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.served: list[Any] = []
+        self.refused = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="requests", daemon=True)
+
+    def __enter__(self) -> Requests:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(120)
+        assert not self._thread.is_alive(), "the requests did not stop"
+
+    def wait(self, condition: Any, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline and not self.failures, self.failures
+            time.sleep(0.05)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.server.url, timeout=120.0) as http:
+            while not self._stop.is_set():
+                try:
+                    self.served.append(completions(http, self.server.model_dir))
+                except httpx.HTTPStatusError as e:
+                    if e.response.status_code == 503 and NOT_READY in e.response.text:
+                        self.refused += 1
+                        self._stop.wait(0.2)  # a client's back-off
+                    else:
+                        self.failures.append(f"HTTP {e.response.status_code}: {e.response.text}")
+                except httpx.HTTPError as e:
+                    self.failures.append(repr(e))

@@ -40,6 +40,12 @@ VLLM_0_33_0: dict[str, Any] = {
     },
     "engine_init": ENGINE_ARGS,
     "create_engine": ENGINE_ARGS,
+    # `WeightTransferConfig.backend` (vllm/config/weight_transfer.py): any registered name
+    "config_backend_takes_any_name": True,
+    # the RL entry points (vllm/entrypoints/rl/): where wt's bridge wraps them, unmoved since 0.32
+    "rl_modules": {"vllm.entrypoints.rl.offline", "vllm.entrypoints.rl.online.api_router"},
+    # `abort_weight_update` is in no route, engine, `LLM` or worker of 0.33.0: wt answers it itself
+    "has_abort_weight_update": False,
 }
 
 
@@ -52,10 +58,22 @@ def installed_vllm() -> dict[str, Any]:
     root = Path(next(iter(spec.submodule_search_locations)))
     worker = root / "v1" / "worker" / "gpu_worker.py"
     calls = set(re.findall(r"weight_transfer_engine\.(\w+)", worker.read_text()))
+    from vllm.config.weight_transfer import WeightTransferConfig as VLLMConfig
+
+    rl = root / "entrypoints" / "rl"
+    modules = {"vllm.entrypoints.rl.offline", "vllm.entrypoints.rl.online.api_router"}
+    sources = [p.read_text() for p in (root / "v1" / "engine").glob("*.py")]
     return {
         "engine_calls": calls,
         "engine_init": _parameters(base.WeightTransferEngine.__init__),
         "create_engine": _parameters(factory.WeightTransferEngineFactory.create_engine),
+        "config_backend_takes_any_name": str
+        in getattr(inspect.get_annotations(VLLMConfig, eval_str=True)["backend"], "__args__", ()),
+        "rl_modules": {
+            m for m in modules if (rl / (m.split(".rl.")[1].replace(".", "/") + ".py")).exists()
+        },
+        "has_abort_weight_update": any("def abort_weight_update" in s for s in sources)
+        or hasattr(base.WeightTransferEngine, "abort_weight_update"),
     }
 
 
@@ -75,6 +93,20 @@ def test_every_engine_answers_what_vllms_worker_calls_with_its_arguments(which: 
         missing = sorted(c for c in facts["engine_calls"] if not hasattr(engine, c))
         assert not missing, f"{name}: {engine.__name__} lacks {missing} ({which})"
         assert _parameters(engine.__init__) == facts["engine_init"], (name, which)
+
+
+@pytest.mark.parametrize("which", ["vllm-0.33.0", "installed"])
+def test_wt_backends_are_selectable_and_its_rl_wrappers_find_their_modules(which: str) -> None:
+    """`WeightTransferConfig(backend="wt_nccl")` is a valid vLLM config; the RL entry
+    points wt wraps are where it imports them; every wt engine answers
+    `abort_weight_update` (vLLM has none to follow: if it gains one, revisit)."""
+    facts = VLLM_0_33_0 if which == "vllm-0.33.0" else installed_vllm()
+    assert facts["config_backend_takes_any_name"], which
+    assert facts["rl_modules"] == VLLM_0_33_0["rl_modules"], which
+    assert facts["has_abort_weight_update"] is False, which
+    for name in ("nccl", "ipc", "sparse_nccl", "sharded_rdt", "example_file"):
+        engine = WeightTransferEngineFactory.registry.resolve(name)
+        assert callable(getattr(engine, "abort_weight_update", None)), name
 
 
 # What `weight_transfer.vllm.adapters` uses of vLLM's LoRA code (vLLM 0.33.0's wheel has each of

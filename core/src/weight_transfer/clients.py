@@ -54,7 +54,9 @@ from weight_transfer.runtime.adapters import ADAPTER_FIELD, ADAPTER_SCHEME, Adap
 from weight_transfer.runtime.control import (
     ABORT_FIELD,
     REVERT_FIELD,
+    ControlKey,
     Refusal,
+    abort_round,
     control_round,
     refused,
 )
@@ -76,6 +78,10 @@ PAUSE_MODES = ("keep", "wait", "abort")
 logger = logging.getLogger("weight_transfer")
 
 
+def _unsigned(payload: dict[str, Any]) -> dict[str, Any]:
+    return payload
+
+
 class WeightSyncRPCError(RuntimeError):
     """An inference-side call failed; `method` names the call, `detail` the server's message."""
 
@@ -85,10 +91,6 @@ class WeightSyncRPCError(RuntimeError):
         self.method = method
         self.detail = detail
         self.status = status
-
-
-def _unsigned(payload: dict[str, Any]) -> dict[str, Any]:
-    return payload
 
 
 class _PausingClient:
@@ -103,6 +105,20 @@ class _PausingClient:
     reset_prefix_cache: bool
     # `finish_weight_update(..., resume=False)` keeps generation paused (see the fleet).
     resumes_on_request = True
+    # The trainer's key, once a trainer engine uses this client: signs `abort_weight_update`.
+    control: ControlKey | None = None
+
+    def bind_control(self, control: ControlKey) -> None:
+        """Sign this client's own controls with the trainer's key (`RoundClient` binds it)."""
+        self.control = control
+
+    def abort_weight_update(self, reason: str = "aborted by the caller") -> None:
+        """vLLM's `abort_weight_update`: roll back the round open on the engine (every
+        worker back on its previous weights and label; generation resumes). Sent as
+        wt's in-band abort, signed with the trainer's key: an engine refuses it from a
+        client that no trainer engine uses. No round open: nothing happens."""
+        control = self.control
+        abort_round(self.update_weights, reason, control.sign if control else _unsigned)
 
     def _set_policy(self, pause: PauseMode | None, reset_prefix_cache: bool) -> None:
         if pause is not None and pause not in PAUSE_MODES:

@@ -425,6 +425,14 @@ class FanOutClient:
         """Resume generation on every replica (after a trainer died mid-round)."""
         self._each("resume_generation", lambda i, r: r.resume_generation())
 
+    def abort_weight_update(self, reason: str = "aborted by the caller") -> None:
+        """vLLM's `abort_weight_update` on every replica: the open round rolls back
+        everywhere (signed with the trainer's key); raises naming the replicas whose
+        rollback is not confirmed."""
+        unconfirmed = self._abort(self.indexes, reason)
+        if unconfirmed:
+            raise RuntimeError("; ".join(unconfirmed))
+
     def shutdown_weight_transfer_engine(self) -> None:
         """Shut down every replica's engine (each drops its trainer); the first
         failure raises once every replica answered."""
