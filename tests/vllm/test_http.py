@@ -438,6 +438,9 @@ def test_http_every_choice_names_the_weight_versions_that_made_its_tokens(
     done = server.http.post("/v1/completions", json={**plain, "prompt": PROMPTS[:2]}).json()
     assert [c["weight_versions"] for c in done["choices"]] == [["spans-b"], ["spans-b"]]
     assert "weight_version_spans" not in done["choices"][0]
+    as_vllm = {**plain, "prompt": PROMPTS[0], "return_weight_versions": True}  # vLLM 0.33's
+    done = server.http.post("/v1/completions", json=as_vllm).json()
+    assert done["choices"][0]["weight_versions"] == [{"version": "spans-b", "start": 0, "end": 4}]
     chat = {**plain, "messages": [{"role": "user", "content": PROMPTS[0]}]}
     answer = server.http.post("/v1/chat/completions", json=chat).json()
     assert answer["choices"][0]["weight_versions"] == ["spans-b"], answer

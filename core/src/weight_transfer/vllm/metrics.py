@@ -18,8 +18,9 @@ highest: the totals only grow):
 - `wt:weight_sync_rounds_total{backend, outcome}`.
 
 A round the watchdog rolls back (its trainer died), and a held commit a fleet
-reverts (an update that succeeded), show at the server's next read. `engine_metrics(llm)` reads the same totals from an
-`LLM` (or, through `collective_rpc`, a Ray actor's engine: `merged` of
+reverts (an update that succeeded), show at the server's next read.
+`engine_metrics(llm)` reads the same totals from an `LLM` (or, through
+`collective_rpc`, a Ray actor's engine: `merged` of
 `collective_rpc(worker_metrics)`). `backend` is the worker engine's class.
 """
 

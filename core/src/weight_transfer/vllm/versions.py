@@ -15,6 +15,11 @@ of a response, and the streamed chunk that finishes a choice, carries:
 - `weight_version_spans` (when the request sets `"weight_version_spans":
   true`): `[{"version", "start", "end"}, ...]`, output-token index ranges.
 
+A request that sets vLLM 0.33's own opt-in, `"return_weight_versions": true`,
+gets 0.33's shape instead, on 0.32 as on 0.33: `weight_versions` is the list
+of `{"version", "start", "end"}` objects (and nothing else is added), so a
+client written for vLLM 0.33 reads what it expects.
+
 OpenAI clients ignore fields they do not know. Under a round with `pause="keep"`
 a request frozen mid-generation continues on the new weights: its spans name
 both versions, the second from the first token sampled after the round.
@@ -33,11 +38,12 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-__all__ = ["install", "SPANS_FIELD", "VERSIONS_FIELD", "REQUEST_SPANS_FIELD"]
+__all__ = ["install", "SPANS_FIELD", "VERSIONS_FIELD", "REQUEST_SPANS_FIELD", "VLLM_REQUEST_FIELD"]
 
 VERSIONS_FIELD = "weight_versions"
 SPANS_FIELD = "weight_version_spans"
 REQUEST_SPANS_FIELD = "weight_version_spans"  # the request's opt-in
+VLLM_REQUEST_FIELD = "return_weight_versions"  # vLLM 0.33's opt-in: its shape
 _MARK = "__wt_versions__"
 
 
@@ -54,13 +60,17 @@ def install() -> None:
     _wrap(OpenAIServingCompletion, "request_output_to_completion_response", _completion_full)
 
 
-def fields(spans: Any, with_spans: bool) -> dict[str, Any]:
+Shape = str  # "labels", "spans" (labels and spans) or "vllm" (vLLM 0.33's)
+
+
+def fields(spans: Any, shape: Shape) -> dict[str, Any]:
     """The response fields of one choice whose output has vLLM's `spans`."""
+    objects = [{"version": s.version, "start": s.start, "end": s.end} for s in spans]
+    if shape == "vllm":
+        return {VERSIONS_FIELD: objects}
     out: dict[str, Any] = {VERSIONS_FIELD: [span.version for span in spans]}
-    if with_spans:
-        out[SPANS_FIELD] = [
-            {"version": span.version, "start": span.start, "end": span.end} for span in spans
-        ]
+    if shape == "spans":
+        out[SPANS_FIELD] = objects
     return out
 
 
@@ -71,8 +81,10 @@ def _wrap(cls: type, name: str, make: Callable[[Any], Any]) -> None:
     setattr(cls, name, wrapper)
 
 
-def _asks_for_spans(request: Any) -> bool:
-    return getattr(request, REQUEST_SPANS_FIELD, None) is True
+def _shape(request: Any) -> Shape:
+    if getattr(request, VLLM_REQUEST_FIELD, None) is True:
+        return "vllm"
+    return "spans" if getattr(request, REQUEST_SPANS_FIELD, None) is True else "labels"
 
 
 class _Recorder:
@@ -108,16 +120,16 @@ def _streamed(prompts: bool) -> Callable[[Any], Any]:
     def make(original: Any) -> Any:
         async def stream(self: Any, *args: Any, **kwargs: Any) -> Any:
             bound, recorder = _recording(original, self, args, kwargs, prompts)
-            with_spans = _asks_for_spans(bound.arguments["request"])
+            shape = _shape(bound.arguments["request"])
             async for event in original(*bound.args, **bound.kwargs):
-                yield _stamped(event, recorder.spans, with_spans) if recorder.spans else event
+                yield _stamped(event, recorder.spans, shape) if recorder.spans else event
 
         return stream
 
     return make
 
 
-def _stamped(event: str, spans: dict[int, Any], with_spans: bool) -> str:
+def _stamped(event: str, spans: dict[int, Any], shape: Shape) -> str:
     """A streamed `data: {...}` event whose choices that finish carry their versions
     (and leave `spans`)."""
     if not event.startswith("data: {"):
@@ -127,7 +139,7 @@ def _stamped(event: str, spans: dict[int, Any], with_spans: bool) -> str:
     for choice in chunk.get("choices") or ():
         index = choice.get("index")
         if choice.get("finish_reason") is not None and index in spans:
-            choice.update(fields(spans.pop(index), with_spans))
+            choice.update(fields(spans.pop(index), shape))
             stamped = True
     return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n" if stamped else event
 
@@ -136,10 +148,10 @@ def _chat_full(original: Any) -> Any:
     async def full(self: Any, *args: Any, **kwargs: Any) -> Any:
         bound, recorder = _recording(original, self, args, kwargs, prompts=False)
         response = await original(*bound.args, **bound.kwargs)
-        with_spans = _asks_for_spans(bound.arguments["request"])
+        shape = _shape(bound.arguments["request"])
         for choice in getattr(response, "choices", None) or ():
             if choice.index in recorder.spans:
-                for name, value in fields(recorder.spans[choice.index], with_spans).items():
+                for name, value in fields(recorder.spans[choice.index], shape).items():
                     setattr(choice, name, value)
         return response
 
@@ -150,10 +162,10 @@ def _completion_full(original: Any) -> Any:
     def full(self: Any, final_res_batch: list[Any], request: Any, *args: Any, **kw: Any) -> Any:
         response = original(self, final_res_batch, request, *args, **kw)
         outputs = [output for result in final_res_batch for output in result.outputs]
-        with_spans = _asks_for_spans(request)
+        shape = _shape(request)
         for choice, output in zip(response.choices, outputs, strict=False):
             if output.weight_versions is not None:
-                for name, value in fields(output.weight_versions, with_spans).items():
+                for name, value in fields(output.weight_versions, shape).items():
                     setattr(choice, name, value)
         return response
 
