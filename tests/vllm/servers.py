@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -28,10 +29,11 @@ from tests.vllm.conftest import (
     Outputs,
     TinyDirs,
 )
+from weight_transfer.vllm.readiness import NOT_READY
 from wt_kits.group.stateless import free_port
 
 __all__ = [
-    "Server", "Traffic", "ServerPool", "READY_TIMEOUT_S", "SERVED_NAME", "completions",
+    "Server", "Traffic", "Requests", "ServerPool", "READY_TIMEOUT_S", "SERVED_NAME", "completions",
     "weight_version",
 ]  # fmt: skip
 
@@ -139,7 +141,7 @@ class Server:
                 )
             try:
                 health = self.http.get("/health", timeout=2.0)
-                if health.status_code == 200 or (held and "not ready" in health.text):
+                if health.status_code == 200 or (held and NOT_READY in health.text):
                     return
             except httpx.HTTPError:
                 pass
@@ -274,6 +276,49 @@ class Traffic:
                 except httpx.HTTPError as e:
                     self.failures.append(f"{type(e).__name__}: {e}")
                 self.done += 1
+
+
+class Requests:
+    """Greedy completions of `PROMPTS` at one server from one thread, in a loop:
+    `served` (the outputs of each 200), `refused` (503s naming wt's hold),
+    `failures` (anything else)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.served: list[Outputs] = []
+        self.refused = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="requests", daemon=True)
+
+    def __enter__(self) -> Requests:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(120)
+        assert not self._thread.is_alive(), "the requests did not stop"
+
+    def wait(self, condition: Callable[[], bool], timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline and not self.failures, self.failures
+            time.sleep(0.05)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.server.url, timeout=120.0) as http:
+            while not self._stop.is_set():
+                try:
+                    self.served.append(completions(http, self.server.model_dir))
+                except httpx.HTTPStatusError as e:
+                    if e.response.status_code == 503 and NOT_READY in e.response.text:
+                        self.refused += 1
+                        self._stop.wait(0.2)  # a client's back-off
+                    else:
+                        self.failures.append(f"HTTP {e.response.status_code}: {e.response.text}")
+                except httpx.HTTPError as e:
+                    self.failures.append(repr(e))
 
 
 class ServerPool:

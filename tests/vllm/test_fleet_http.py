@@ -14,7 +14,6 @@ keep serving, and serves no request before.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,7 +28,7 @@ from tests.vllm.conftest import (
     hf_model,
     require_backend,
 )
-from tests.vllm.servers import Server, Traffic, completions
+from tests.vllm.servers import Requests, Server, Traffic
 from weight_transfer import (
     FanOutClient,
     FleetError,
@@ -42,7 +41,7 @@ from wt_kits.group import free_port
 HOLD = "weight_transfer.vllm.readiness.hold_until_first_sync"
 
 pytest.importorskip("vllm")
-httpx = pytest.importorskip("httpx")
+pytest.importorskip("httpx")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -164,46 +163,3 @@ def test_a_restarted_replica_catches_up_at_the_next_sync_and_serves_nothing_befo
     fleet.assert_serving(references, 2, "after-restart")
     fleet.sync(3, "steady")
     fleet.assert_serving(references, 3, "steady")
-
-
-class Requests:
-    """Greedy completions of `PROMPTS` at one server from one thread, in a loop:
-    `served` (the outputs of each 200), `refused` (503s naming wt's hold),
-    `failures` (anything else)."""
-
-    def __init__(self, server: Server) -> None:
-        self.server = server
-        self.served: list[Any] = []
-        self.refused = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="requests", daemon=True)
-
-    def __enter__(self) -> Requests:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(120)
-        assert not self._thread.is_alive(), "the requests did not stop"
-
-    def wait(self, condition: Any, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            assert time.monotonic() < deadline and not self.failures, self.failures
-            time.sleep(0.05)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.server.url, timeout=120.0) as http:
-            while not self._stop.is_set():
-                try:
-                    self.served.append(completions(http, self.server.model_dir))
-                except httpx.HTTPStatusError as e:
-                    if e.response.status_code == 503 and NOT_READY in e.response.text:
-                        self.refused += 1
-                        self._stop.wait(0.2)  # a client's back-off
-                    else:
-                        self.failures.append(f"HTTP {e.response.status_code}: {e.response.text}")
-                except httpx.HTTPError as e:
-                    self.failures.append(repr(e))
