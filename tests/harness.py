@@ -1,8 +1,9 @@
-"""The project's worker harness: `weight_transfer.testing.workers`, with host-sync counting.
+"""The project's worker harness: `weight_transfer.testing.workers`, with cost counting.
 
-`WorkerPool` here serves two more methods in every worker: `count_host_syncs`
-starts counting host syncs on every thread, `host_syncs` stops and returns
-the counts per method (`wt_tools.counting.HostSyncs`).
+`WorkerPool` here serves two more methods in every worker: `count_costs`
+starts counting, on every thread, host syncs (`wt_tools.counting.HostSyncs`)
+and wire messages (`WireCalls`); `costs` stops and returns both, per method,
+as `{"host_syncs": {...}, "wire": {...}}`.
 """
 
 from __future__ import annotations
@@ -43,18 +44,19 @@ __all__ = [
 ]
 
 
-def host_sync_handlers(model: Any, session: Any) -> dict[str, Any]:
-    from wt_tools.counting import HostSyncs
+def cost_handlers(model: Any, session: Any) -> dict[str, Any]:
+    from wt_tools.counting import HostSyncs, WireCalls
 
-    counters: list[HostSyncs] = []
+    counters: list[tuple[HostSyncs, WireCalls]] = []
 
-    def count_host_syncs() -> None:
-        counters.append(HostSyncs().start())
+    def count_costs() -> None:
+        counters.append((HostSyncs().start(), WireCalls().start()))
 
-    def host_syncs() -> dict[str, int]:
-        return dict(counters.pop().stop().counts)
+    def costs() -> dict[str, dict[str, int]]:
+        syncs, wire = counters.pop()
+        return {"host_syncs": dict(syncs.stop().counts), "wire": dict(wire.stop().counts)}
 
-    return {"count_host_syncs": count_host_syncs, "host_syncs": host_syncs}
+    return {"count_costs": count_costs, "costs": costs}
 
 
 def weights(pool: _WorkerPool) -> list[dict[str, str]]:
@@ -91,5 +93,5 @@ def _trainer_init(info: Any, client: Any, source: Any) -> Any:
 
 class WorkerPool(_WorkerPool):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("handlers", "tests.harness:host_sync_handlers")
+        kwargs.setdefault("handlers", "tests.harness:cost_handlers")
         super().__init__(*args, **kwargs)

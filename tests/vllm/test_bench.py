@@ -17,7 +17,7 @@ pytestmark = [
     pytest.mark.ray,
     pytest.mark.slow,
     pytest.mark.extended,
-    pytest.mark.timeout(420),
+    pytest.mark.timeout(570),
 ]
 
 MODES = {
@@ -40,7 +40,7 @@ def test_quick_bench_produces_every_figure(tmp_path: Path) -> None:
         [sys.executable, "-m", "wt_tools.bench", "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=540,
         env=dict(os.environ),
         check=False,
     )
@@ -69,6 +69,7 @@ def test_quick_bench_produces_every_figure(tmp_path: Path) -> None:
     assert all(r["digest_s_per_gib"] > 0 and r["x_memcpy"] > 0 for r in digest)
     live = results["live"]  # every declared row, once, in its declared order
     assert [r["id"] for r in live["rows"]] == [row.id for block in BLOCKS for row in block]
+    assert {r["cores"] for r in live["rows"]} == {"shared", "disjoint"}  # 2 cores or more here
     for r in live["rows"]:  # every wt row prices its engine's undo record beside the model
         undo = r["undo"]
         assert (undo is not None) == (r["kind"] == "sync"), r["id"]
@@ -86,6 +87,7 @@ def test_quick_bench_produces_every_figure(tmp_path: Path) -> None:
     synced = {r["id"]: r for r in moe["rows"]}
     assert synced["nccl.packed"]["tokens_equal_fresh"] is True
     assert synced["ipc.packed"]["tokens_equal_fresh"] is True
+    assert synced["nccl.packed_disjoint"]["cores"] == "disjoint"
     assert all(r["median_s"] > 0 for r in moe["rows"])
     assert "fused-MoE layers" in moe["sharded_rdt_refused"]
     assert "## Live MoE" in (out / "bench.md").read_text()

@@ -6,7 +6,10 @@ that read a device value back to the host (`item`, `tolist`, `bool`, `int`,
 `Collectives` counts the collectives a process calls (process-wide).
 `AtenOps` counts the aten ops dispatched on the thread that enters it (a
 `TorchDispatchMode`), by name, including the host reads it sees
-(`aten._local_scalar_dense`, `aten.is_nonzero`).
+(`aten._local_scalar_dense`, `aten.is_nonzero`), the bytes its copies write
+and the tensors its ops allocate. `WireCalls` counts the messages a process
+puts on a wt wire: group broadcasts and local-link frames. `CountedClient`
+counts the control-plane calls a trainer makes.
 """
 
 from __future__ import annotations
@@ -64,20 +67,135 @@ class HostSyncs:
         self.stop()
 
 
+_COPIES = ("aten.copy_.default", "aten._foreach_copy_.default")
+
+
 class AtenOps(TorchDispatchMode):
-    """`counts`: the aten ops (by overload name) this thread dispatched while inside."""
+    """`counts`: the aten ops (by overload name) this thread dispatched while inside;
+    `copied_bytes`: the bytes written by copies into existing tensors (`copy_`,
+    `_foreach_copy_`) and by ops that return a copy (`clone`, `_to_copy`, ...);
+    `allocations`: per op, the storages its results hold that none of its inputs
+    holds (the outputs of one op that share a storage count once)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
+        self.copied_bytes = 0
+        self.allocations: collections.Counter[str] = collections.Counter()
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
+        name = str(func)
+        self.counts[name] += 1
+        out = func(*args, **(kwargs or {}))
+        if name in _COPIES:
+            targets = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            self.copied_bytes += sum(t.nbytes for t in targets)
+            return out
+        inputs = {_storage(t) for t in _tensors(args, kwargs)}
+        fresh = {
+            _storage(made): made
+            for made in _tensors((out,), None)
+            if made.untyped_storage().nbytes() and _storage(made) not in inputs
+        }
+        if fresh:
+            self.allocations[name] += len(fresh)
+            if name in ("aten.clone.default", "aten._to_copy.default"):
+                self.copied_bytes += sum(t.nbytes for t in fresh.values())
+        return out
+
+
+def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for value in [*args, *(kwargs or {}).values()]:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+class _MethodCounter:
+    """Counts, process-wide, calls of the `methods` (`(class, name)` pairs) while inside."""
+
+    methods: tuple[tuple[str, str, str], ...] = ()  # (module, class, method)
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._saved: list[tuple[type, str, Any]] = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def start(self) -> _MethodCounter:
+        import importlib
+
+        for module_name, class_name, method in self.methods:
+            cls = getattr(importlib.import_module(module_name), class_name)
+            function = cls.__dict__[method]
+            self._saved.append((cls, method, function))
+            setattr(cls, method, self._counting(f"{class_name}.{method}", function))
+        return self
+
+    def _counting(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self.counts[name] += 1
+            return function(*args, **kwargs)
+
+        return counted
+
+    def stop(self) -> _MethodCounter:
+        for cls, method, function in reversed(self._saved):
+            setattr(cls, method, function)
+        self._saved = []
+        return self
+
+    def __enter__(self) -> _MethodCounter:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class WireCalls(_MethodCounter):
+    """The messages this process puts on (or takes off) a wt wire while inside: each
+    broadcast of a `StatelessGroup` (a collective, either side) and each frame a
+    `LocalLink` sends (ipc's control frames)."""
+
+    methods = (
+        ("wt_kits.group.stateless", "StatelessGroup", "broadcast"),
+        ("wt_kits.colocated.link", "LocalLink", "send"),
+    )
+
+
+class CountedClient:
+    """Forwards to `inner`, counting the calls of its public methods by name (`counts`):
+    the control-plane round trips a trainer makes."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.inner, name)
+        if name.startswith("_") or not callable(value):
+            return value
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.counts[name] += 1
+            return value(*args, **kwargs)
+
+        return counted
 
 
 _COLLECTIVE_MODULES = (

@@ -1,19 +1,26 @@
 """The live-engine block of the bench: wt into a live vLLM, beside vLLM's own paths.
 
 `measure(layers, repeats, work)` builds a Llama of about 1 GiB in float32
-(hidden 1024, 16 layers), starts one in-process vLLM engine per backend
-(`wt_nccl`, `wt_ipc`, `wt_sharded_rdt`) and times `BLOCKS`, interleaved
-over `repeats` rounds of alternating weights. What is timed is declared in
-`BLOCKS`: a block is the rows one trainer engine serves (one trainer holds
-a worker's channel at a time), its first row the floor its ratios are
-against. A row is one of
+(hidden 1024, 16 layers), starts one vLLM engine per backend (`wt_nccl`,
+`wt_ipc`, `wt_sharded_rdt`), each in a process of its own as vLLM runs by
+default, and times `BLOCKS`, interleaved over `repeats` rounds of alternating
+weights. What is timed is declared in `BLOCKS`: a block is the rows one
+trainer engine serves (one trainer holds a worker's channel at a time), its
+first row the floor its ratios are against, all on the same cores. A row is
+one of
 
 - `floor`: vLLM's own reload of the same tensors from memory
-  (`model_runner.reload_weights(weights_iterator=...)`), no transport;
+  (`model_runner.reload_weights(weights_iterator=...)`, the tensors drawn in
+  the engine's process), no transport;
 - `sync`: a trainer in this process pushing a `ModuleSource` through
   `LocalVLLMWeightSyncClient` with the row's wire parameters (`WIRES`);
 - `save_reload`: a safetensors checkpoint written, then `reload_weights`
   from it (what users do without a sync library).
+
+A row's `cores` (`wt_tools.pinning`): `shared`, trainer and engines on every
+core (colocated); `disjoint`, the trainer's processes on half the cores and
+the engines' on the other half, as deployments run (the trainer computes on
+devices of its own), the floor pinned the same way.
 
 The steps, in order (`measure`): `start`, `time_blocks`, `check_tokens`,
 `summarize`, `print_tables`, then `tensor_parallel` (sharded_rdt's bytes per
@@ -27,11 +34,14 @@ record. Rows and figures carry stable ids; the goals
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import multiprocessing as mp
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -39,11 +49,13 @@ import torch
 
 from weight_transfer.runtime.phases import PHASES, PhaseClock
 from wt_tools.goals import GOALS
+from wt_tools.pinning import Cores, Pinning, engine_processes
 from wt_tools.tiny_model import TinyLlamaSpec, build_tiny_llama, tiny_llama
 
 __all__ = ["BLOCKS", "Row", "measure", "in_fresh_process"]
 
 BACKENDS = ("nccl", "ipc", "sharded_rdt")
+SEEDS = (1, 2)  # the two targets rounds alternate between
 PROMPT = "w1 w2 w3 w4"
 
 
@@ -57,6 +69,7 @@ class Row:
     backend: str  # the engine it runs against
     wire: str = "default"  # a key of `WIRES` (sync rows)
     check_finite: bool = True
+    cores: Cores = "shared"  # `wt_tools.pinning`: all rows of a block share it
 
 
 BLOCKS: tuple[tuple[Row, ...], ...] = (
@@ -91,6 +104,24 @@ BLOCKS: tuple[tuple[Row, ...], ...] = (
         Row("floor.sharded_rdt", "floor (sharded_rdt engine)", "floor", "sharded_rdt"),
         Row("sharded_rdt.nixl", "wt_sharded_rdt (nixl)", "sync", "sharded_rdt"),
     ),
+    # as deployments run: the trainer's processes and the engine's on disjoint cores
+    (
+        Row("floor.nccl_disjoint", "floor, disjoint cores", "floor", "nccl", cores="disjoint"),
+        Row("nccl.packed_disjoint", "wt_nccl packed, disjoint cores", "sync", "nccl",
+            cores="disjoint"),
+    ),
+    (
+        Row("floor.ipc_disjoint", "floor (ipc), disjoint cores", "floor", "ipc",
+            cores="disjoint"),
+        Row("ipc.packed_disjoint", "wt_ipc packed, disjoint cores", "sync", "ipc",
+            cores="disjoint"),
+    ),
+    (
+        Row("floor.sharded_rdt_disjoint", "floor (sharded_rdt), disjoint cores", "floor",
+            "sharded_rdt", cores="disjoint"),
+        Row("sharded_rdt.nixl_disjoint", "wt_sharded_rdt (nixl), disjoint cores", "sync",
+            "sharded_rdt", cores="disjoint"),
+    ),
 )  # fmt: skip
 
 
@@ -124,10 +155,11 @@ class LiveBench:
     trainers: dict[str, tuple[Mapping[str, Any], Any]] = field(default_factory=dict)
     times: dict[str, list[float]] = field(default_factory=dict)
     phases: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    pinning: Pinning | None = None
 
     def __post_init__(self) -> None:
         self.spec = TinyLlamaSpec.large(num_hidden_layers=self.layers)
-        self.targets = [tiny_llama(self.spec, seed=s) for s in (1, 2)]
+        self.targets = [tiny_llama(self.spec, seed=s) for s in SEEDS]
         self.nbytes = sum(p.numel() * p.element_size() for p in self.targets[0].parameters())
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -148,8 +180,9 @@ class LiveBench:
             f"live engines: {self.layers} layers, {self.nbytes / 2**30:.2f} GiB float32; "
             f"repeats {self.repeats}"
         )
-        for backend in BACKENDS:
-            self.llms[backend] = LLM(
+
+        def engine(backend: str) -> Any:
+            return LLM(
                 model=served,
                 dtype="float32",
                 enforce_eager=True,
@@ -158,23 +191,55 @@ class LiveBench:
                 weight_transfer_config=WeightTransferConfig(backend=f"wt_{backend}"),
                 **extra,
             )
+
+        engine_pids: set[int] = set()
+        for backend in BACKENDS:
+            self.llms[backend], pids = engine_processes(functools.partial(engine, backend))
+            engine_pids |= pids
             self.clients[backend] = LocalVLLMWeightSyncClient(self.llms[backend])
+            # the floor's tensors, drawn in the engine's own memory
+            self.llms[backend].collective_rpc(
+                _stage_targets, args=(dataclasses.asdict(self.spec), list(SEEDS))
+            )
         self.sources = [ModuleSource(m) for m in self.targets]
+        llms = list(self.llms.values())
+
+        def set_engine_threads(n: int) -> None:
+            for llm in llms:
+                llm.collective_rpc(_set_threads, args=(n,))
+
+        threads = llms[0].collective_rpc(_get_threads)[0]
+        self.pinning = Pinning(engine_pids, set_engine_threads, threads)
+        if self.device != "cpu" or not engine_pids or not self.pinning.can_split:
+            self.pinning = None  # the disjoint rows are left out
 
     def time_blocks(self) -> None:
         """Each block: one warm-up pass, then `repeats` interleaved rounds of its rows."""
-        for block in BLOCKS:
+        for block in self.blocks():
+            if self.pinning is not None:
+                self.pinning.apply(block[0].cores)
             for row in block:  # first touches, allocator growth
                 self.prepare(row, 1)()
             for r in range(self.repeats):
                 for row in block:
                     run = self.prepare(row, r % 2)
-                    with PhaseClock() as clock:
+                    llm = self.llms[row.backend]
+                    before = llm.collective_rpc(_phase_totals)[0]
+                    with PhaseClock() as clock:  # the trainer's phases, in this process
                         t0 = time.perf_counter()
                         run()
                         self.times.setdefault(row.id, []).append(time.perf_counter() - t0)
-                    if row.kind == "sync":
-                        self.phases.setdefault(row.id, []).append(clock.seconds)
+                    if row.kind == "sync":  # and the engine's, in its own
+                        after = llm.collective_rpc(_phase_totals)[0]
+                        seconds = {p: clock.seconds[p] + after[p] - before[p] for p in PHASES}
+                        self.phases.setdefault(row.id, []).append(seconds)
+        if self.pinning is not None:
+            self.pinning.apply("shared")
+
+    def blocks(self) -> list[tuple[Row, ...]]:
+        """`BLOCKS`, less the disjoint-core ones where cores cannot be split (a GPU
+        trainer has its own device already)."""
+        return [b for b in BLOCKS if b[0].cores == "shared" or self.pinning is not None]
 
     def check_tokens(self) -> None:
         """What each engine serves after a sync equals what it serves after vLLM's reload."""
@@ -193,7 +258,7 @@ class LiveBench:
         pulled = self.pulled_bytes()
         undo = {b: llm.collective_rpc(_undo_cost)[0] for b, llm in self.llms.items()}
         rows: list[dict[str, Any]] = []
-        for block in BLOCKS:
+        for block in self.blocks():
             base = statistics.median(self.times[block[0].id])
             for row in block:
                 med = statistics.median(self.times[row.id])
@@ -203,6 +268,7 @@ class LiveBench:
                         "id": row.id,
                         "method": row.label,
                         "backend": row.backend,
+                        "cores": row.cores,
                         "kind": row.kind,
                         "median_s": med,
                         "times_s": self.times[row.id],
@@ -254,17 +320,18 @@ class LiveBench:
             trainer.shutdown()
         self.trainers.clear()
 
+    def shutdown_engines(self) -> None:
+        """Stop the engines' processes (the later steps start engines of their own)."""
+        for llm in self.llms.values():
+            llm.llm_engine.engine_core.shutdown()
+        self.llms.clear()
+
     # -- what a row runs -----------------------------------------------------------------
 
     def prepare(self, row: Row, i: int) -> Callable[[], None]:
         """`row` against target `i`: set up untimed, return the timed call."""
         if row.kind == "floor":
-            weights = [(n, p.detach()) for n, p in self.targets[i].named_parameters()]
-
-            def reload(worker: Any) -> None:
-                worker.model_runner.reload_weights(weights_iterator=iter(weights))
-
-            return lambda: self.llms[row.backend].collective_rpc(reload)
+            return lambda: self.llms[row.backend].collective_rpc(_reload_staged, args=(i,))
         if row.kind == "save_reload":
             return lambda: self.save_and_reload(row.backend, i)
         trainer = self.trainer(row.backend, wires(self.nbytes)[row.wire])
@@ -321,13 +388,15 @@ class LiveBench:
 def measure(layers: int, repeats: int, work: str) -> dict[str, Any]:
     """Every figure of the live block, as a dict (printed as it goes)."""
     bench = LiveBench(layers, repeats, work)
-    bench.start()
-    bench.time_blocks()
-    bench.check_tokens()
-    rows = bench.summarize()
-    bench.print_tables(rows)
+    with engine_environment():
+        bench.start()
+        bench.time_blocks()
+        bench.check_tokens()
+        rows = bench.summarize()
+        bench.print_tables(rows)
+        bench.shutdown_trainers()
+        bench.shutdown_engines()
     pulled = next(r["bytes_per_worker"] for r in rows if r["id"] == "sharded_rdt.nixl")
-    bench.shutdown_trainers()
     sharded = tensor_parallel(layers, repeats)
     transport = in_fresh_process(ipc_transport, bench.spec, repeats)
     ipc = ipc_summary({r["id"]: r for r in rows}, transport)
@@ -385,9 +454,42 @@ def ipc_summary(rows: dict[str, dict[str, Any]], transport: dict[str, Any]) -> d
 
 
 def in_fresh_process(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
-    """`fn(*args)` in a spawned interpreter: vLLM pins this process's threads."""
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
+    """`fn(*args)` in a spawned interpreter (vLLM pins this process's threads), which
+    may start processes of its own (vLLM's engine cores); `fn`'s error is raised here
+    with its traceback."""
+    context = mp.get_context("spawn")
+    ours, theirs = context.Pipe(duplex=False)
+    child = context.Process(target=_run_and_send, args=(theirs, fn, args), daemon=False)
+    child.start()
+    theirs.close()
+    try:
+        ok, value = ours.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError(f"{fn.__name__} died (exit code {child.exitcode})") from None
+    finally:
+        ours.close()
+    child.join(_CHILD_EXIT_S)
+    if child.is_alive():  # its result is in: stop whatever keeps it from exiting
+        child.terminate()
+        child.join(_CHILD_EXIT_S)
+    if not ok:
+        raise RuntimeError(f"{fn.__name__} failed in its process:\n{value}")
+    return value
+
+
+_CHILD_EXIT_S = 60.0
+
+
+def _run_and_send(conn: Any, fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> None:
+    import traceback
+
+    try:
+        result: tuple[bool, Any] = (True, fn(*args))
+    except BaseException:
+        result = (False, traceback.format_exc())
+    conn.send(result)
+    conn.close()
 
 
 def ipc_transport(spec: TinyLlamaSpec, repeats: int) -> dict[str, Any]:
@@ -498,6 +600,55 @@ def ipc_transport(spec: TinyLlamaSpec, repeats: int) -> dict[str, Any]:
         "rss_growth_bytes_after_100": rss_grew,
         "lines": lines,
     }
+
+
+@contextlib.contextmanager
+def engine_environment() -> Iterator[None]:
+    """vLLM's settings for the engines started inside, restored after: each engine in a
+    process of its own; the bench's worker functions (the floor's reload, the undo
+    record) carried by pickle; torch's thread count left to `Pinning` (vLLM ignores
+    it once it has bound its threads)."""
+    settings = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+    }
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _stage_targets(worker: Any, spec: dict[str, Any], seeds: list[int]) -> None:
+    """Draw the targets in the engine's process, for its floor to reload from memory
+    (`spec`: a `TinyLlamaSpec`'s fields; what vLLM's RPC carries)."""
+    targets = [tiny_llama(TinyLlamaSpec(**spec), seed=s) for s in seeds]
+    worker._wt_bench_targets = [[(n, p.detach()) for n, p in m.named_parameters()] for m in targets]
+
+
+def _reload_staged(worker: Any, i: int) -> None:
+    """vLLM's own reload of target `i` from the engine's memory: the floor."""
+    worker.model_runner.reload_weights(weights_iterator=iter(worker._wt_bench_targets[i]))
+
+
+def _phase_totals(worker: Any) -> dict[str, float]:
+    from weight_transfer.runtime import phases
+
+    return {p: phases.total(p) for p in PHASES}
+
+
+def _set_threads(worker: Any, n: int) -> None:
+    torch.set_num_threads(n)
+
+
+def _get_threads(worker: Any) -> int:
+    return torch.get_num_threads()
 
 
 def _greedy(llm: Any) -> list[int]:

@@ -2,26 +2,31 @@
 
 `measure(repeats, work)` builds a tiny Qwen3-MoE (`MoESpec`: 64 experts a
 layer, a few thousand tensors; vLLM's CPU kernel prepacks its fused experts),
-starts one vLLM engine per backend in this process and times, interleaved
-over `repeats` rounds of alternating weights:
+starts one vLLM engine per backend, each in a process of its own, and times,
+interleaved over `repeats` rounds of alternating weights:
 
-- floor: vLLM's reload of the same tensors from memory
+- floor: vLLM's reload of the same tensors from the engine's memory
   (`model_runner.reload_weights(weights_iterator=...)`). It is the time to
   beat, not a correct result: on CPU that layerwise reload leaves the fused
   experts wrong (`weight_transfer.vllm.moe`);
 - wt_nccl packed and wt_ipc packed: a trainer in this process pushing the
   target's tensors through `LocalVLLMWeightSyncClient`, each into its engine.
 
+Each pair twice: trainer and engines on every core (`shared`), and on
+disjoint cores as deployments run (`wt_tools.pinning`), where this host has
+at least two.
+
 wt_sharded_rdt refuses such a model at `trainer_init` (a recorded slice replay
 cannot redo the prepack); its row holds the refusal. After the last round each
 engine's greedy tokens must equal a fresh engine's of the last target, so a
-row is timed only if its syncs are exact. Run it in a process of its own
-(vLLM's in-process engines share process-wide parallel groups, and a MoE
-model needs an expert-parallel group an earlier dense engine never made).
+row is timed only if its syncs are exact. Each engine runs in a process of its
+own (`live_bench.engine_environment`), which the pinning needs; run
+`measure` in a process of its own too (`live_bench.in_fresh_process`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -29,12 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch
 
+from wt_tools.pinning import Cores, Pinning, engine_processes
 from wt_tools.tiny_model import ENGINE_KWARGS, TinyMoESpec, build_tiny_moe
 
 __all__ = ["MOE_SPEC", "measure"]
@@ -84,6 +89,13 @@ def _trainer(backend: str, llm: Any, source: Any) -> Any:
 
 def measure(repeats: int, work: str, spec: TinyMoESpec = MOE_SPEC) -> dict[str, Any]:
     """See the module docstring; every figure in a JSON-safe dict."""
+    from wt_tools.live_bench import engine_environment
+
+    with engine_environment():
+        return _measure(repeats, work, spec)  # its engines are shut down before it returns
+
+
+def _measure(repeats: int, work: str, spec: TinyMoESpec) -> dict[str, Any]:
     from safetensors.torch import load_file
     from vllm import LLM
     from vllm.config import WeightTransferConfig
@@ -100,24 +112,20 @@ def measure(repeats: int, work: str, spec: TinyMoESpec = MOE_SPEC) -> dict[str, 
         config = WeightTransferConfig(backend=f"wt_{backend}")
         return LLM(model=served, weight_transfer_config=config, **ENGINE_KWARGS)
 
-    engines = [_Engine(b, engine_of(b)) for b in ("nccl", "ipc")]
+    engines: list[_Engine] = []
+    engine_pids: set[int] = set()
+    for backend in ("nccl", "ipc"):
+        llm, pids = engine_processes(functools.partial(engine_of, backend))
+        llm.collective_rpc(_stage_targets, args=(dirs,))  # the floor's tensors, in its memory
+        engines.append(_Engine(backend, llm))
+        engine_pids |= pids
     source = TensorSource(targets[0])
     for engine in engines:
         engine.trainer = _trainer(engine.backend, engine.llm, source)
-    refused = None
-    sharded = engine_of("sharded_rdt")
-    try:
-        _trainer("sharded_rdt", sharded, source).shutdown()
-    except Exception as error:  # the expected refusal
-        refused = f"{type(error).__name__}: {str(error)[:200]}"
+    pinning = _pinning(engines, engine_pids)
 
     def floor(engine: _Engine, i: int) -> Callable[[], None]:
-        weights = list(targets[i].items())
-
-        def reload(worker: Any) -> None:
-            worker.model_runner.reload_weights(weights_iterator=iter(weights))
-
-        return lambda: engine.llm.collective_rpc(reload)
+        return lambda: engine.llm.collective_rpc(_reload_staged, args=(i,))
 
     def sync(engine: _Engine, i: int) -> Callable[[], None]:
         def run() -> None:
@@ -126,20 +134,25 @@ def measure(repeats: int, work: str, spec: TinyMoESpec = MOE_SPEC) -> dict[str, 
 
         return run
 
-    times: dict[str, list[float]] = {}
-    for engine in engines:
-        rows = {
-            f"floor: vLLM reload ({engine.backend} engine)": floor,
-            f"wt_{engine.backend} packed": sync,
-        }
-        for prepare in rows.values():  # warm-up
-            prepare(engine, 1)()
-        for r in range(repeats):
-            for name, prepare in rows.items():
-                run = prepare(engine, r % 2)
-                t0 = time.perf_counter()
-                run()
-                times.setdefault(name, []).append(time.perf_counter() - t0)
+    placements: tuple[Cores, ...] = ("shared", "disjoint") if pinning else ("shared",)
+    times: dict[tuple[str, Cores, str], list[float]] = {}
+    for cores in placements:
+        if pinning is not None:
+            pinning.apply(cores)
+        for engine in engines:
+            rows = {"floor": floor, "packed": sync}
+            for prepare in rows.values():  # warm-up
+                prepare(engine, 1)()
+            for r in range(repeats):
+                for kind, prepare in rows.items():
+                    run = prepare(engine, r % 2)
+                    t0 = time.perf_counter()
+                    run()
+                    times.setdefault((engine.backend, cores, kind), []).append(
+                        time.perf_counter() - t0
+                    )
+    if pinning is not None:
+        pinning.apply("shared")
     last = (repeats - 1) % 2
     for engine in engines:  # a wt round last: the engine serves exactly the target
         sync(engine, 1 - last)()
@@ -148,23 +161,32 @@ def measure(repeats: int, work: str, spec: TinyMoESpec = MOE_SPEC) -> dict[str, 
     fresh = LLM(model=dirs[last], **ENGINE_KWARGS)
     want = _greedy(fresh)
     exact = {e.backend: _greedy(e.llm) == want for e in engines}
+    for llm in [fresh, *(e.llm for e in engines)]:  # a process ends once its engines have
+        llm.llm_engine.engine_core.shutdown()
+    refused = _sharded_rdt_refusal(engine_of, source)
     rows_out = []
-    for engine in engines:
-        floor_name = f"floor: vLLM reload ({engine.backend} engine)"
-        base = statistics.median(times[floor_name])
-        ids = (f"floor.{engine.backend}", f"{engine.backend}.packed")
-        for row_id, name in zip(ids, (floor_name, f"wt_{engine.backend} packed"), strict=True):
-            med = statistics.median(times[name])
-            rows_out.append(
-                {
-                    "id": row_id,
-                    "method": name,
-                    "median_s": med,
-                    "times_s": times[name],
-                    "ratio_to_floor": med / base,
-                    "tokens_equal_fresh": exact[engine.backend] if name.startswith("wt_") else None,
-                }
-            )
+    for cores in placements:
+        suffix = "" if cores == "shared" else "_disjoint"
+        where = "" if cores == "shared" else ", disjoint cores"
+        for engine in engines:
+            b = engine.backend
+            base = statistics.median(times[(b, cores, "floor")])
+            for kind, method in (
+                ("floor", f"floor: vLLM reload ({b} engine){where}"),
+                ("packed", f"wt_{b} packed{where}"),
+            ):
+                med = statistics.median(times[(b, cores, kind)])
+                rows_out.append(
+                    {
+                        "id": f"floor.{b}{suffix}" if kind == "floor" else f"{b}.packed{suffix}",
+                        "method": method,
+                        "cores": cores,
+                        "median_s": med,
+                        "times_s": times[(b, cores, kind)],
+                        "ratio_to_floor": med / base,
+                        "tokens_equal_fresh": exact[b] if kind == "packed" else None,
+                    }
+                )
     if not all(exact.values()):
         raise RuntimeError(f"live MoE: tokens after a sync differ from a fresh engine's: {exact}")
     return {
@@ -177,3 +199,50 @@ def measure(repeats: int, work: str, spec: TinyMoESpec = MOE_SPEC) -> dict[str, 
         "sharded_rdt_refused": refused,
         "threads": torch.get_num_threads(),
     }
+
+
+def _sharded_rdt_refusal(engine_of: Callable[[str], Any], source: Any) -> str | None:
+    """wt_sharded_rdt's refusal of the model at init, or None. Its loopback transport
+    needs the engine in this process; that engine comes last, as vLLM's in-process
+    engines share process-wide parallel groups and cache vLLM's settings."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    sharded = engine_of("sharded_rdt")
+    try:
+        _trainer("sharded_rdt", sharded, source).shutdown()
+    except Exception as error:  # the expected refusal
+        return f"{type(error).__name__}: {str(error)[:200]}"
+    finally:
+        sharded.llm_engine.engine_core.shutdown()
+    return None
+
+
+def _pinning(engines: list[_Engine], engine_pids: set[int]) -> Pinning | None:
+    """The engines' pinning, or None where this host cannot split its cores."""
+
+    def set_engine_threads(n: int) -> None:
+        for engine in engines:
+            engine.llm.collective_rpc(_set_threads, args=(n,))
+
+    threads = engines[0].llm.collective_rpc(_get_threads)[0]
+    pinning = Pinning(engine_pids, set_engine_threads, threads)
+    return pinning if engine_pids and pinning.can_split else None
+
+
+def _stage_targets(worker: Any, dirs: list[str]) -> None:
+    from safetensors.torch import load_file
+
+    worker._wt_bench_targets = [
+        list(load_file(os.path.join(d, "model.safetensors")).items()) for d in dirs
+    ]
+
+
+def _reload_staged(worker: Any, i: int) -> None:
+    worker.model_runner.reload_weights(weights_iterator=iter(worker._wt_bench_targets[i]))
+
+
+def _set_threads(worker: Any, n: int) -> None:
+    torch.set_num_threads(n)
+
+
+def _get_threads(worker: Any) -> int:
+    return torch.get_num_threads()

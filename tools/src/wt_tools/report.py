@@ -112,12 +112,15 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     check("live.nccl_vs_floor", ratio("nccl.packed"))
     check("live.ipc_vs_floor", ratio("ipc.packed"))
     check("live.sharded_rdt_vs_floor", ratio("sharded_rdt.nixl"))
+    check("live_disjoint.nccl_vs_floor", ratio("nccl.packed_disjoint"))
+    check("live_disjoint.ipc_vs_floor", ratio("ipc.packed_disjoint"))
+    check("live_disjoint.sharded_rdt_vs_floor", ratio("sharded_rdt.nixl_disjoint"))
     check("live.nccl_over_save_reload", faster("nccl.packed", "save_reload.nccl"))
     check("live.ipc_over_save_reload", faster("ipc.packed", "save_reload.ipc"))
     check("ipc_transport.share_of_memcpy", live["ipc"]["share_of_memcpy"] if live else None)
     moe_live = results.get("live_moe")
     for r in moe_live["rows"] if moe_live else []:
-        if r["id"].endswith(".packed"):
+        if r["id"].endswith((".packed", ".packed_disjoint")):
             check("live_moe.vs_floor", r["ratio_to_floor"], r["method"])
     lora = results.get("lora")
     for r in lora["rows"] if lora else []:
@@ -222,7 +225,8 @@ def markdown(results: dict[str, Any]) -> str:
         out += lora_table(lora)
     live = results.get("live")
     if live:
-        out += ["", f"## Live vLLM ({live['bytes'] / 2**30:.2f} GiB, in-process)", ""]
+        gib = live["bytes"] / 2**30
+        out += ["", f"## Live vLLM ({gib:.2f} GiB, each engine in its own process)", ""]
         out.append("| path | s | x its floor | MB/worker | undo s | undo MB copied / kept |")
         out.append("| --- | --- | --- | --- | --- | --- |")
         for r in live["rows"]:
@@ -267,7 +271,7 @@ def markdown(results: dict[str, Any]) -> str:
         out += [
             "",
             f"## Live MoE ({moe['tensors']} tensors, {moe['experts']} experts a layer, "
-            f"{moe['bytes'] / 1e6:.0f} MB, in a process of its own)",
+            f"{moe['bytes'] / 1e6:.0f} MB, engines in processes of their own)",
             "",
             "| path | s | x its floor | tokens = a fresh engine's |",
             "| --- | --- | --- | --- |",

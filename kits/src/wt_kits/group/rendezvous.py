@@ -15,6 +15,7 @@ count from 0 within the replica.
 
 from __future__ import annotations
 
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -35,6 +36,7 @@ __all__ = ["GroupTrainerFields", "GroupInitInfo", "trainer_rendezvous", "join_gr
 
 # Time the init RPC may take beyond the rendezvous timeout (engine-side work).
 _RPC_GRACE_S = 30.0
+_RELEASE_WAIT_S = 5.0  # for a cancelled rendezvous to close its listening socket
 
 
 @dataclass
@@ -139,8 +141,10 @@ def trainer_rendezvous(
 ) -> StatelessGroup:
     """Host rank 0 of the group while the workers join through `client`; see module doc.
 
-    On failure the rank-0 side is released as soon as its rendezvous thread
-    returns, so a retry can bind the same port once that thread is done.
+    On failure the rendezvous is cancelled and, when this raises, rank 0 has
+    stopped listening (a retry can bind the same port at once), unless its
+    thread took more than `_RELEASE_WAIT_S` to return, when the port is freed as
+    soon as it does.
     """
     secret = check_secret(payload.get("secret"), what="payload")
     fleet = fleet_of(client)
@@ -171,6 +175,7 @@ def trainer_rendezvous(
         )
     except BaseException:
         hosting.cancel()  # the join fails at once rather than at its timeout
+        futures.wait([join], timeout=_RELEASE_WAIT_S)  # and has let the port go
         join.add_done_callback(_abort_joined)
         raise
     group: StatelessGroup = results["the rendezvous"]

@@ -1,16 +1,17 @@
 """Trainer side of the `nccl` backend: rank 0 broadcasts the bucket plan.
 
 Core's `ResyncTrainerEngine` drives the round on every rank; this module is
-the transmit step. For each bucket `k` of the plan: pack it into staging
-buffer `k % n` (the `SendWindow` waits until that buffer's previous sends are
-done, so packing `k + 1` overlaps broadcasting `k`), then broadcast its header
-(`Header`: status OK, what the bucket holds, the digests of the declared
-parameter list) and its bytes. If the source fails while bucket `k` is being
-packed, the sends in flight are drained and an ABORT header goes out instead,
-so every worker stops at the same collective and the group carries the next
-round.
-With `verify`, a third broadcast per bucket carries the digests of its pieces
-(`BucketDigests`, summed while the bytes go out).
+the transmit step (the wire format is in `wt_nccl.protocol`). Per round, the
+round header and the layout; then for each bucket `k` of the plan: pack it
+into staging buffer `k % n` (the `SendWindow` waits until that buffer's
+previous sends are done, so packing `k + 1` overlaps broadcasting `k`), write
+its status tail, and broadcast it: one collective per bucket. A solo bucket
+goes out from the source's own memory, its status in a broadcast before it.
+If the source fails while bucket `k` is being produced, the sends in flight
+are drained and `k`'s status goes out as `STATUS_ABORT` instead, so every
+worker stops at the same collective and the group carries the next round.
+With `verify`, a broadcast after each bucket carries the digests of its
+pieces (`BucketDigests`, summed while the bytes go out).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from weight_transfer.backend import (
 from wt_kits.channel import GroupChannel
 from wt_kits.group import GroupTrainerFields, StatelessGroup, trainer_rendezvous
 from wt_kits.stream import (
+    Bucket,
     BucketDigests,
+    BucketPlan,
     Packer,
     PlanCache,
     RotatingBuffers,
@@ -45,12 +48,17 @@ from wt_kits.stream import (
 )
 from wt_kits.waits import work_future
 from wt_nccl.protocol import (
-    HEADER_ABORT,
-    HEADER_OK,
-    Header,
+    LAYOUT_COLUMNS,
+    STATUS_ABORT,
+    STATUS_OK,
     NCCLWorkerInitInfo,
+    RoundHeader,
     WireParams,
+    is_solo,
+    layout_rows,
+    message_bytes,
     plan_for,
+    tail_of,
 )
 
 __all__ = ["NCCLTrainerInitInfo", "NCCLTrainerEngine"]
@@ -113,27 +121,39 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
         transfer: Transfer,
     ) -> None:
         plan = self.plan_for(metas)
-        declared = param_list_digests(param_list_payload(metas))
         digests = BucketDigests.of_plan(plan) if self.wire.verify else None
+        head, layout, statuses = self._round_tensors(plan, metas)
         with self.channel.on_wire("a broadcast") as group:
+            for t, what in ((head, "the round header"), (layout, "the round's layout")):
+                if t.numel():  # no layout follows a round of no buckets
+                    transfer.wait(work_future(group.broadcast(t), what), what)
             window = SendWindow(self._buffers, transfer)
             packer = Packer(plan, pairs, finite=self.check_finite)
             for k, bucket in enumerate(plan.buckets):
                 window.free(k)
+                solo = is_solo(bucket)
                 try:  # only the source can fail here: tell the workers, keep the group
-                    if self.wire.packed:  # a bucket of one piece goes out as itself
+                    if not solo:
+                        self._buffers.get(k, message_bytes(bucket.nbytes, False))  # + the tail
+                        out = packer.pack(k, self._buffers)
+                    elif self.wire.packed:
                         out = packer.bytes_of(k, self._buffers)
                     else:
                         out = as_bytes(packer.whole(k).to(self.device))
                     if k == len(plan.buckets) - 1:
                         packer.exhaust()
                 except Exception as error:
-                    self._abort_at(Header.of(k, HEADER_ABORT, plan, declared), window, transfer)
+                    self._abort_at(k, bucket, window, transfer)
                     raise AlignedFailure(error) from error
-                head = Header.of(k, HEADER_OK, plan, declared).tensor(self.device)
                 what = f"the broadcast of bucket {k}"
-                sends = [work_future(group.broadcast(t), what) for t in (head, out)]
-                keep = [head, out]
+                if solo:
+                    keep = [statuses[k], out]
+                    sends = [work_future(group.broadcast(t), what) for t in keep]
+                else:
+                    message = self._buffers.get(k, message_bytes(bucket.nbytes, False))
+                    tail_of(message, bucket.nbytes).copy_(statuses[k])
+                    keep = [message]
+                    sends = [work_future(group.broadcast(message), what)]
                 if digests is not None:  # summed while the bytes go out, sent after them
                     sums = digests.of(k, out)
                     sends.append(work_future(group.broadcast(sums), f"the digests of bucket {k}"))
@@ -144,12 +164,40 @@ class NCCLTrainerEngine(ResyncTrainerEngine[NCCLTrainerInitInfo]):
                 packer.exhaust()
             window.drain()
 
-    def _abort_at(self, head: Header, window: SendWindow, transfer: Transfer) -> None:
-        """Tell every worker the round ends at `head`'s bucket (after the sends in flight)."""
+    def _round_tensors(
+        self, plan: BucketPlan, metas: list[ParamMeta]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The round header, the layout, and each bucket's OK status (`int64[buckets, 2]`),
+        on the wire's device: made once per plan."""
+        key = f"nccl_round:{self.device}"
+        made = plan.derived.get(key)
+        if made is None:
+            declared = param_list_digests(param_list_payload(metas))
+            head = RoundHeader(len(plan.buckets), tuple(declared)).tensor(self.device)
+            rows = layout_rows(plan)
+            layout = torch.tensor(rows, dtype=torch.int64, device=self.device).view(
+                -1, LAYOUT_COLUMNS
+            )
+            statuses = torch.zeros(len(plan.buckets), 2, dtype=torch.int64, device=self.device)
+            statuses[:, 0] = torch.arange(len(plan.buckets), device=self.device)
+            statuses[:, 1] = STATUS_OK
+            made = plan.derived[key] = (head, layout, statuses)
+        return made
+
+    def _abort_at(self, k: int, bucket: Bucket, window: SendWindow, transfer: Transfer) -> None:
+        """Tell every worker the round ends at bucket `k` (after the sends in flight):
+        `k`'s status as `STATUS_ABORT`, alone for a solo bucket, else as the tail of a
+        message whose body no worker loads."""
         window.drain("the broadcasts before the abort notice")
         group = self.channel.require()
-        notice = work_future(group.broadcast(head.tensor(self.device)), "the abort notice")
-        transfer.wait(notice, "the abort notice", watching=False)  # they fail on purpose
+        status = torch.tensor([k, STATUS_ABORT], dtype=torch.int64, device=self.device)
+        if is_solo(bucket):
+            notice = status
+        else:
+            notice = self._buffers.get(k, message_bytes(bucket.nbytes, False))
+            tail_of(notice, bucket.nbytes).copy_(status)
+        sent = work_future(group.broadcast(notice), "the abort notice")
+        transfer.wait(sent, "the abort notice", watching=False)  # they fail on purpose
 
     def shutdown(self) -> None:
         self.channel.close()

@@ -1,26 +1,28 @@
 """Worker side of the `nccl` backend: receive the trainer's buckets, load them.
 
-`receive_weights` walks the same bucket plan as the trainer. Each bucket
-lands in rotating buffer `k % n` and is loaded by core's `LoadPipeline`
-while the next one is received (on CPU the load into a live model costs more
-than the wire). Tensors are views into the buffer when the buffer-reuse rule
-allows it and copies otherwise (`Unpacker`'s `view_horizon`).
+`receive_weights` walks the same bucket plan as the trainer (the wire format
+is in `wt_nccl.protocol`). Each bucket lands in rotating buffer `k % n` and
+is loaded by core's `LoadPipeline` while the next one is received (on CPU the
+load into a live model costs more than the wire), once its status says the
+trainer produced it. Tensors are views into the buffer when the buffer-reuse
+rule allows it and copies otherwise (`Unpacker`'s `view_horizon`).
 
 With `verify`, each bucket's digests follow its bytes; the pipeline checks the
 bucket against them before loading it (`LoadPipeline.received`).
 
-Before sizing any receive, each bucket's header is checked against the
-worker's plan: an update info that is not the trainer's (its declared
-parameter list differs) is refused naming the field, after the rest of the
-round has been received as the trainer's headers size it, so the group stays
-in step and the model keeps its weights.
+Before sizing any other receive, the round header and the trainer's layout
+are checked against the worker's plan: an update info that is not the
+trainer's (its declared parameter list differs) is refused naming the field,
+after the rest of the round has been received as the trainer's layout sizes
+it, so the group stays in step and the model keeps its weights.
 
 Failure: a load that fails, or a bucket whose bytes differ from the trainer's
 digests, makes the pipeline drain the rest of the round (the group stays
-aligned), then the round raises; an abort notice from the trainer
-raises at once. Either way core's transaction rolls the model back. Anything
-else on the wire tears the group down (`GroupChannel.on_wire`); the next start
-is refused for want of a group, and the trainer re-forms it (`reconnect`).
+aligned), then the round raises; a bucket whose status is `STATUS_ABORT`
+raises at once, before anything of it is loaded. Either way core's
+transaction rolls the model back. Anything else on the wire tears the group
+down (`GroupChannel.on_wire`); the next start is refused for want of a group,
+and the trainer re-forms it (`reconnect`).
 """
 
 from __future__ import annotations
@@ -42,23 +44,29 @@ from wt_kits.stream import (
     DIGEST_DTYPE,
     LoadFailed,
     LoadPipeline,
+    PlanCache,
     RotatingBuffers,
     Unpacker,
 )
 from wt_nccl.protocol import (
-    HEADER_LEN,
-    HEADER_OK,
-    Header,
+    LAYOUT_COLUMNS,
+    ROUND_HEADER_LEN,
+    STATUS_LEN,
+    STATUS_OK,
     NCCLUpdateInfo,
     NCCLWorkerInitInfo,
+    RoundHeader,
     TrainerAbortedError,
     WireParams,
+    is_solo,
+    message_bytes,
     plan_for,
+    tail_of,
 )
 
 __all__ = ["NCCLWorkerEngine"]
 
-_MAX_PIECES = 1 << 22  # more tensors in one bucket than any model has
+_MAX_PIECES = 1 << 22  # more tensors in one bucket, or buckets in one round, than any model has
 
 
 class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo]):
@@ -74,7 +82,9 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         )
         self.wire: WireParams | None = None
         self.layouts = LayoutMemo()  # the last round's decoded parameter list
+        self.plan_for = PlanCache(lambda metas: plan_for(metas, self._wire()))
         self._buffers: RotatingBuffers | None = None
+        self._small: dict[str, torch.Tensor] = {}
 
     def init_transfer_engine(self, init_info: NCCLWorkerInitInfo) -> None:
         """Record the trainer's wire parameters and join its group (replacing an old one).
@@ -85,6 +95,7 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         """
         self.channel.drop("the last init_weight_transfer_engine failed")
         self.wire = init_info.wire
+        self.plan_for = PlanCache(lambda metas: plan_for(metas, self._wire()))
         group = join_group(init_info, self.position, self.device)
         self.channel.connect(group)
         buffers = self._buffers
@@ -100,32 +111,31 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
             raise RuntimeError("update_weights before init_weight_transfer_engine")
         metas = self.layouts.metas(update_info)
         check_declared(metas, self.model, what="update_info")
-        plan = plan_for(metas, wire)
+        plan = self.plan_for(metas)
         declared = self.layouts.digests(update_info)
         loader = self.loader
         with self.channel.on_wire("receiving a round") as group:
+            head, rows = self._round_header(group)
+            problem = head.disagreement(rows, plan, declared)
+            if problem is not None:
+                self._drain(group, rows, wire)
+                raise AlignedFailure(ValueError(problem))
             unpacker = Unpacker(plan, group.device, buffers if wire.packed else None)
             pipeline = LoadPipeline(loader.load, len(buffers), group.timeout_s, name="wt-nccl-load")
             try:
                 for k, bucket in enumerate(plan.buckets):
                     pipeline.before_receive(k)
-                    head = self._header(group, k)
-                    if head.status != HEADER_OK:
+                    solo = is_solo(bucket)
+                    data = self._bucket(
+                        group, k, bucket.nbytes, solo, buffers if wire.packed else None
+                    )
+                    if data is None:
                         raise AlignedFailure(
                             TrainerAbortedError(
                                 f"the trainer aborted the update at bucket {k} of "
                                 f"{len(plan.buckets)}; see the trainer's error"
                             )
                         )
-                    problem = head.disagreement(plan, declared)
-                    if problem is not None:
-                        self._drain(group, head, wire)
-                        raise AlignedFailure(ValueError(problem))
-                    if wire.packed:
-                        data = buffers.get(k, bucket.nbytes)
-                    else:
-                        data = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
-                    group.wait(group.broadcast(data), f"bucket {k}")
                     digests = None
                     if wire.verify:  # received even while draining: the wire stays in step
                         digests = torch.empty(
@@ -140,37 +150,78 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
             finally:
                 pipeline.close()
 
-    def _header(self, group: StatelessGroup, k: int) -> Header:
-        """Receive the header of bucket `k`; a header out of sequence tears the group down."""
-        raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=group.device)
-        group.wait(group.broadcast(raw), f"the header of bucket {k}")
-        head = Header.parse([int(v) for v in raw.tolist()])
-        if head.bucket != k:
-            raise RuntimeError(f"wire out of step: expected bucket {k}, got {head.bucket}")
-        return head
+    def _round_header(self, group: StatelessGroup) -> tuple[RoundHeader, list[list[int]]]:
+        """Receive the round header and the trainer's layout; a bucket count no honest
+        trainer sends tears the group down."""
+        raw = self._scratch("header", (ROUND_HEADER_LEN,), group.device)
+        group.wait(group.broadcast(raw), "the round header")
+        head = RoundHeader.parse(raw.tolist())
+        if not 0 <= head.buckets <= _MAX_PIECES:
+            raise RuntimeError(f"the round header declares {head.buckets} buckets")
+        if head.buckets == 0:
+            return head, []
+        layout = self._scratch("layout", (head.buckets, LAYOUT_COLUMNS), group.device)
+        group.wait(group.broadcast(layout), "the round's layout")
+        return head, layout.tolist()
 
-    def _drain(self, group: StatelessGroup, head: Header, wire: WireParams) -> None:
-        """Receive the rest of the trainer's round, from `head`'s bucket on, as the
-        trainer's headers size it, and discard it: the group stays in step. A size
-        no honest trainer sends (over a staging buffer, or the host's memory when
-        unpacked) tears the group down instead."""
+    def _bucket(
+        self,
+        group: StatelessGroup,
+        k: int,
+        nbytes: int,
+        solo: bool,
+        buffers: RotatingBuffers | None,
+    ) -> torch.Tensor | None:
+        """Receive bucket `k` (`nbytes` bytes, into `buffers` when packed): its bytes, or
+        None when the trainer aborted the round at `k`."""
+        size = message_bytes(nbytes, solo)
+        if buffers is not None:
+            message = buffers.get(k, size)
+        else:
+            message = torch.empty(size, dtype=torch.uint8, device=group.device)
+        if solo:
+            status = self._scratch("status", (STATUS_LEN,), group.device)
+            group.wait(group.broadcast(status), f"the status of bucket {k}")
+        else:
+            group.wait(group.broadcast(message), f"bucket {k}")
+            status = tail_of(message, nbytes)
+        index, state = status.tolist()
+        if index != k:
+            raise RuntimeError(f"wire out of step: expected bucket {k}, got {index}")
+        if state != STATUS_OK:
+            return None
+        if solo:
+            group.wait(group.broadcast(message), f"bucket {k}")
+        return message[:nbytes]
+
+    def _drain(self, group: StatelessGroup, rows: list[list[int]], wire: WireParams) -> None:
+        """Receive the trainer's round as its layout `rows` size it, and discard it: the
+        group stays in step. A size no honest trainer sends (over a staging buffer, or
+        the host's memory when unpacked) tears the group down instead."""
         limit = wire.packed_buffer_size_bytes if wire.packed else host_memory_bytes() // 2
-        while True:
-            if not (0 <= head.nbytes <= limit and 0 <= head.pieces <= _MAX_PIECES):
+        for k, (nbytes, pieces, solo) in enumerate(rows):
+            if not (0 <= nbytes <= limit and 0 <= pieces <= _MAX_PIECES and solo in (0, 1)):
                 raise RuntimeError(
-                    f"bucket {head.bucket}: the trainer's header declares {head.nbytes} bytes "
-                    f"in {head.pieces} pieces, over the limit of {limit} bytes"
+                    f"bucket {k}: the trainer's layout declares {nbytes} bytes in {pieces} "
+                    f"pieces (solo: {solo}), over the limit of {limit} bytes"
                 )
-            scratch = torch.empty(head.nbytes, dtype=torch.uint8, device=group.device)
-            group.wait(group.broadcast(scratch), f"bucket {head.bucket} (drained)")
-            if wire.verify:
-                sums = torch.empty(head.pieces, 2, dtype=DIGEST_DTYPE, device=group.device)
-                group.wait(group.broadcast(sums), f"the digests of bucket {head.bucket} (drained)")
-            if head.bucket + 1 >= head.buckets:
-                return
-            head = self._header(group, head.bucket + 1)
-            if head.status != HEADER_OK:
+            if self._bucket(group, k, nbytes, bool(solo), None) is None:
                 return  # the trainer ended the round itself
+            if wire.verify:
+                sums = torch.empty(pieces, 2, dtype=DIGEST_DTYPE, device=group.device)
+                group.wait(group.broadcast(sums), f"the digests of bucket {k} (drained)")
+
+    def _scratch(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A reused `int64` receive buffer for the round's small messages."""
+        held = self._small.get(name)
+        if held is None or held.shape != shape or held.device != device:
+            held = self._small[name] = torch.empty(shape, dtype=torch.int64, device=device)
+        return held
+
+    def _wire(self) -> WireParams:
+        if self.wire is None:
+            raise RuntimeError("update_weights before init_weight_transfer_engine")
+        return self.wire
 
     def shutdown(self) -> None:
         self.channel.close()
