@@ -35,7 +35,6 @@ record. Rows and figures carry stable ids; the goals
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import multiprocessing as mp
 import os
@@ -192,15 +191,16 @@ class LiveBench:
                 **extra,
             )
 
+        staged = []  # the floor's tensors, mapped by every engine: one copy in the page cache
+        for i, target in enumerate(self.targets):
+            staged.append(os.path.join(self.work, f"target-{i}.pt"))
+            torch.save({n: p.detach() for n, p in target.named_parameters()}, staged[-1])
         engine_pids: set[int] = set()
         for backend in BACKENDS:
             self.llms[backend], pids = engine_processes(functools.partial(engine, backend))
             engine_pids |= pids
             self.clients[backend] = LocalVLLMWeightSyncClient(self.llms[backend])
-            # the floor's tensors, drawn in the engine's own memory
-            self.llms[backend].collective_rpc(
-                _stage_targets, args=(dataclasses.asdict(self.spec), list(SEEDS))
-            )
+            self.llms[backend].collective_rpc(_stage_targets, args=(staged,))
         self.sources = [ModuleSource(m) for m in self.targets]
         llms = list(self.llms.values())
 
@@ -625,11 +625,12 @@ def engine_environment() -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _stage_targets(worker: Any, spec: dict[str, Any], seeds: list[int]) -> None:
-    """Draw the targets in the engine's process, for its floor to reload from memory
-    (`spec`: a `TinyLlamaSpec`'s fields; what vLLM's RPC carries)."""
-    targets = [tiny_llama(TinyLlamaSpec(**spec), seed=s) for s in seeds]
-    worker._wt_bench_targets = [[(n, p.detach()) for n, p in m.named_parameters()] for m in targets]
+def _stage_targets(worker: Any, paths: list[str]) -> None:
+    """Map the targets saved at `paths` into the engine's process (shared with the other
+    engines through the page cache), for its floor to reload from memory."""
+    worker._wt_bench_targets = [
+        list(torch.load(path, mmap=True, weights_only=True).items()) for path in paths
+    ]
 
 
 def _reload_staged(worker: Any, i: int) -> None:

@@ -174,24 +174,19 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
     ) -> torch.Tensor | None:
         """Receive bucket `k` (`nbytes` bytes, into `buffers` when packed): its bytes, or
         None when the trainer aborted the round at `k`."""
+        if solo:  # its status first, then its bytes unless the trainer aborted
+            status = self._scratch("status", (STATUS_LEN,), group.device)
+            group.wait(group.broadcast(status), f"the status of bucket {k}")
+            if not _status_ok(status, k):
+                return None
         size = message_bytes(nbytes, solo)
         if buffers is not None:
             message = buffers.get(k, size)
         else:
             message = torch.empty(size, dtype=torch.uint8, device=group.device)
-        if solo:
-            status = self._scratch("status", (STATUS_LEN,), group.device)
-            group.wait(group.broadcast(status), f"the status of bucket {k}")
-        else:
-            group.wait(group.broadcast(message), f"bucket {k}")
-            status = tail_of(message, nbytes)
-        index, state = status.tolist()
-        if index != k:
-            raise RuntimeError(f"wire out of step: expected bucket {k}, got {index}")
-        if state != STATUS_OK:
+        group.wait(group.broadcast(message), f"bucket {k}")
+        if not solo and not _status_ok(tail_of(message, nbytes), k):
             return None
-        if solo:
-            group.wait(group.broadcast(message), f"bucket {k}")
         return message[:nbytes]
 
     def _drain(self, group: StatelessGroup, rows: list[list[int]], wire: WireParams) -> None:
@@ -227,3 +222,12 @@ class NCCLWorkerEngine(WeightTransferEngine[NCCLWorkerInitInfo, NCCLUpdateInfo])
         self.channel.close()
         if self._buffers is not None:
             self._buffers.release()
+
+
+def _status_ok(status: torch.Tensor, k: int) -> bool:
+    """Whether bucket `k`'s status (`int64[2]`, one host read) says OK; a status of
+    another bucket means the wire is out of step (the group is torn down)."""
+    index, state = status.tolist()
+    if index != k:
+        raise RuntimeError(f"wire out of step: expected bucket {k}, got {index}")
+    return bool(state == STATUS_OK)
