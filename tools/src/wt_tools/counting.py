@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -122,60 +122,62 @@ def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-class _MethodCounter:
-    """Counts, process-wide, calls of the `methods` (`(class, name)` pairs) while inside."""
+_P = TypeVar("_P", bound="_Patching")
 
-    methods: tuple[tuple[str, str, str], ...] = ()  # (module, class, method)
+
+class _Patching:
+    """Counts, process-wide and on every thread, calls of the functions `start` patches
+    (`_patch`), by label, until `stop` puts the originals back; a context manager."""
 
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
-        self._saved: list[tuple[type, str, Any]] = []
+        self._saved: list[tuple[Any, str, Any]] = []
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
 
-    def start(self) -> _MethodCounter:
-        import importlib
+    def start(self) -> _Patching:
+        raise NotImplementedError
 
-        for module_name, class_name, method in self.methods:
-            cls = getattr(importlib.import_module(module_name), class_name)
-            function = cls.__dict__[method]
-            self._saved.append((cls, method, function))
-            setattr(cls, method, self._counting(f"{class_name}.{method}", function))
-        return self
+    def _patch(self, owner: Any, attr: str, label: str) -> None:
+        function = vars(owner)[attr]
+        self._saved.append((owner, attr, function))
 
-    def _counting(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
             with self._lock:
-                self.counts[name] += 1
+                self.counts[label] += 1
             return function(*args, **kwargs)
 
-        return counted
+        setattr(owner, attr, counted)
 
-    def stop(self) -> _MethodCounter:
-        for cls, method, function in reversed(self._saved):
-            setattr(cls, method, function)
+    def stop(self) -> _Patching:
+        for owner, attr, function in reversed(self._saved):
+            setattr(owner, attr, function)
         self._saved = []
         return self
 
-    def __enter__(self) -> _MethodCounter:
-        return self.start()
+    def __enter__(self: _P) -> _P:
+        self.start()
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
 
-class WireCalls(_MethodCounter):
+class WireCalls(_Patching):
     """The messages this process puts on (or takes off) a wt wire while inside: each
     broadcast of a `StatelessGroup` (a collective, either side) and each frame a
     `LocalLink` sends (ipc's control frames)."""
 
-    methods = (
-        ("wt_kits.group.stateless", "StatelessGroup", "broadcast"),
-        ("wt_kits.colocated.link", "LocalLink", "send"),
-    )
+    def start(self) -> WireCalls:
+        from wt_kits.colocated.link import LocalLink
+        from wt_kits.group.stateless import StatelessGroup
+
+        self._patch(StatelessGroup, "broadcast", "StatelessGroup.broadcast")
+        self._patch(LocalLink, "send", "LocalLink.send")
+        return self
 
 
 class CountedClient:
@@ -205,30 +207,17 @@ _COLLECTIVE_MODULES = (
 _COLLECTIVE_WORDS = ("gather", "reduce", "broadcast", "all_to_all", "scatter", "barrier")
 
 
-class Collectives:
+class Collectives(_Patching):
     """A context manager: `counts` holds, per function, the collectives called in this
     process (every thread) while inside: the public functions of `torch.distributed`
     and of its functional collectives (what `DTensor.full_tensor` runs) whose names
     say gather, reduce, broadcast, all-to-all, scatter or barrier."""
 
-    def __init__(self) -> None:
-        self.counts: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
-        self._saved: list[tuple[Any, str, Any]] = []
-
     @property
     def gathers(self) -> int:
         return sum(n for name, n in self.counts.items() if "gather" in name)
 
-    def _counting(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                self.counts[name] += 1
-            return function(*args, **kwargs)
-
-        return counted
-
-    def __enter__(self) -> Collectives:
+    def start(self) -> Collectives:
         import importlib
 
         for module_name in _COLLECTIVE_MODULES:
@@ -237,11 +226,5 @@ class Collectives:
                 if name.startswith("_") or not callable(function) or isinstance(function, type):
                     continue
                 if any(word in name for word in _COLLECTIVE_WORDS):
-                    self._saved.append((module, name, function))
-                    setattr(module, name, self._counting(f"{module_name}.{name}", function))
+                    self._patch(module, name, f"{module_name}.{name}")
         return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for module, name, function in reversed(self._saved):
-            setattr(module, name, function)
-        self._saved = []

@@ -202,16 +202,8 @@ class LiveBench:
             self.clients[backend] = LocalVLLMWeightSyncClient(self.llms[backend])
             self.llms[backend].collective_rpc(_stage_targets, args=(staged,))
         self.sources = [ModuleSource(m) for m in self.targets]
-        llms = list(self.llms.values())
-
-        def set_engine_threads(n: int) -> None:
-            for llm in llms:
-                llm.collective_rpc(_set_threads, args=(n,))
-
-        threads = llms[0].collective_rpc(_get_threads)[0]
-        self.pinning = Pinning(engine_pids, set_engine_threads, threads)
-        if self.device != "cpu" or not engine_pids or not self.pinning.can_split:
-            self.pinning = None  # the disjoint rows are left out
+        if self.device == "cpu":  # else (or where cores cannot split) no disjoint rows
+            self.pinning = engines_pinning(list(self.llms.values()), engine_pids)
 
     def time_blocks(self) -> None:
         """Each block: one warm-up pass, then `repeats` interleaved rounds of its rows."""
@@ -331,7 +323,7 @@ class LiveBench:
     def prepare(self, row: Row, i: int) -> Callable[[], None]:
         """`row` against target `i`: set up untimed, return the timed call."""
         if row.kind == "floor":
-            return lambda: self.llms[row.backend].collective_rpc(_reload_staged, args=(i,))
+            return lambda: self.llms[row.backend].collective_rpc(reload_staged, args=(i,))
         if row.kind == "save_reload":
             return lambda: self.save_and_reload(row.backend, i)
         trainer = self.trainer(row.backend, wires(self.nbytes)[row.wire])
@@ -633,7 +625,20 @@ def _stage_targets(worker: Any, paths: list[str]) -> None:
     ]
 
 
-def _reload_staged(worker: Any, i: int) -> None:
+def engines_pinning(llms: list[Any], engine_pids: set[int]) -> Pinning | None:
+    """The pinning of `llms` (their processes: `engine_pids`), or None where there are
+    none or this host cannot split its cores."""
+
+    def set_engine_threads(n: int) -> None:
+        for llm in llms:
+            llm.collective_rpc(_set_threads, args=(n,))
+
+    threads = llms[0].collective_rpc(_get_threads)[0]
+    pinning = Pinning(engine_pids, set_engine_threads, threads)
+    return pinning if engine_pids and pinning.can_split else None
+
+
+def reload_staged(worker: Any, i: int) -> None:
     """vLLM's own reload of target `i` from the engine's memory: the floor."""
     worker.model_runner.reload_weights(weights_iterator=iter(worker._wt_bench_targets[i]))
 

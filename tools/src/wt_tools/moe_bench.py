@@ -39,7 +39,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import torch
 
-from wt_tools.pinning import Cores, Pinning, engine_processes
+from wt_tools.pinning import Cores, engine_processes
 from wt_tools.tiny_model import ENGINE_KWARGS, TinyMoESpec, build_tiny_moe
 
 __all__ = ["MOE_SPEC", "measure"]
@@ -100,6 +100,7 @@ def _measure(repeats: int, work: str, spec: TinyMoESpec) -> dict[str, Any]:
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
+    from wt_tools.live_bench import engines_pinning, reload_staged
     from wt_tools.scenarios import TensorSource
 
     served = build_tiny_moe(os.path.join(work, "moe-served"), seed=0, spec=spec)
@@ -122,10 +123,10 @@ def _measure(repeats: int, work: str, spec: TinyMoESpec) -> dict[str, Any]:
     source = TensorSource(targets[0])
     for engine in engines:
         engine.trainer = _trainer(engine.backend, engine.llm, source)
-    pinning = _pinning(engines, engine_pids)
+    pinning = engines_pinning([e.llm for e in engines], engine_pids)
 
     def floor(engine: _Engine, i: int) -> Callable[[], None]:
-        return lambda: engine.llm.collective_rpc(_reload_staged, args=(i,))
+        return lambda: engine.llm.collective_rpc(reload_staged, args=(i,))
 
     def sync(engine: _Engine, i: int) -> Callable[[], None]:
         def run() -> None:
@@ -216,33 +217,9 @@ def _sharded_rdt_refusal(engine_of: Callable[[str], Any], source: Any) -> str | 
     return None
 
 
-def _pinning(engines: list[_Engine], engine_pids: set[int]) -> Pinning | None:
-    """The engines' pinning, or None where this host cannot split its cores."""
-
-    def set_engine_threads(n: int) -> None:
-        for engine in engines:
-            engine.llm.collective_rpc(_set_threads, args=(n,))
-
-    threads = engines[0].llm.collective_rpc(_get_threads)[0]
-    pinning = Pinning(engine_pids, set_engine_threads, threads)
-    return pinning if engine_pids and pinning.can_split else None
-
-
 def _stage_targets(worker: Any, dirs: list[str]) -> None:
     from safetensors.torch import load_file
 
     worker._wt_bench_targets = [
         list(load_file(os.path.join(d, "model.safetensors")).items()) for d in dirs
     ]
-
-
-def _reload_staged(worker: Any, i: int) -> None:
-    worker.model_runner.reload_weights(weights_iterator=iter(worker._wt_bench_targets[i]))
-
-
-def _set_threads(worker: Any, n: int) -> None:
-    torch.set_num_threads(n)
-
-
-def _get_threads(worker: Any) -> int:
-    return torch.get_num_threads()
