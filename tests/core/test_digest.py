@@ -3,14 +3,14 @@ pipeline's check before a load (`wt_kits.stream.digests`, `LoadPipeline.received
 
 The detection tests change a bucket's 32-bit words by crafted and by random small patterns
 (the kind a plain weighted sum of the words misses) and require both lanes of every changed
-piece's digest to change."""
+piece's digest to change; the lanes' own tests change stage 2's words directly."""
 
 from __future__ import annotations
 
 import random
-import struct
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +19,9 @@ from weight_transfer.testing.seams import on_bucket_landed
 from wt_kits.stream import LoadFailed, LoadPipeline, Unpacker, as_bytes, plan_buckets
 from wt_kits.stream import digests as digest_module
 from wt_kits.stream.digests import (
+    BLOCK_BYTES,
+    BLOCK_WEIGHTS,
+    SUMS,
     WINDOW_WORDS,
     BucketDigests,
     DigestMismatch,
@@ -40,28 +43,51 @@ DTYPES = [
 ]
 
 MOD = 1 << 64
+CHUNK_BYTES = WINDOW_WORDS * BLOCK_BYTES  # the bytes behind one chunk of stage 2 (a word a block)
+CHUNK_DATA_WORDS = CHUNK_BYTES // 4
+
+
+def _signed(x: int) -> int:
+    return (x + 2**63) % MOD - 2**63
 
 
 def _mix(x: int) -> int:
-    u = x * digest_module.MIX % 2**32
-    m = u ^ (u >> 16)
-    return m - 2**32 if m >> 31 else m
+    u = x * digest_module.MIX % MOD
+    return _signed(u ^ (u >> 32))
 
 
-def reference(data: bytes) -> list[int]:
-    """The documented definition, in Python integers: lanes A and B of the little-endian
-    signed words (a zero-padded unsigned tail word last), modulo 2**64 as signed int64."""
-    m = len(data) // 4
-    words = [struct.unpack_from("<i", data, 4 * i)[0] for i in range(m)]
-    if len(data) % 4:
-        words.append(int.from_bytes(data[4 * m :], "little"))
+def reference_lanes(words: Sequence[int]) -> list[int]:
+    """Stage 2 as documented, in Python integers: lanes A and B of the signed 64-bit
+    `words`, modulo 2**64 as signed int64."""
     a = b = 0
     pa = pb = 1
     for w in words:
         a = (a + pa * w) % MOD
         b = (b + pb * _mix(w)) % MOD
         pa, pb = pa * digest_module.KA % MOD, pb * digest_module.KB % MOD
-    return [(s + 2**63) % MOD - 2**63 for s in (a, b)]
+    return [_signed(s) for s in (a, b)]
+
+
+def reference_words(data: bytes) -> list[int]:
+    """Stage 1 as documented: the signed bytes, zero-padded to whole blocks, times the
+    block weights (numpy's int64 product: exact); each block's two sums, as 32-bit
+    patterns low then high, one signed 64-bit word."""
+    padded = data + bytes(-len(data) % BLOCK_BYTES)
+    blocks = np.frombuffer(padded, dtype=np.int8).astype(np.int64).reshape(-1, BLOCK_BYTES)
+    sums = (blocks @ BLOCK_WEIGHTS.numpy().astype(np.int64)).tolist()
+    return [_signed(s0 % 2**32 + (s1 % 2**32 << 32)) for s0, s1 in sums]
+
+
+def reference(data: bytes) -> list[int]:
+    """The documented digest of `data`: the lanes of its blocks' words."""
+    return reference_lanes(reference_words(data))
+
+
+def lanes(words: torch.Tensor) -> torch.Tensor:
+    """Stage 2 alone (int64 `words`), as the module computes it."""
+    out = torch.zeros(2, dtype=torch.int64)
+    digest_module._sum_chunks_into(out, words)
+    return out
 
 
 def random_tensor(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:
@@ -93,10 +119,45 @@ def test_the_digest_is_the_documented_lanes(nbytes: int) -> None:
 
 
 def test_a_piece_longer_than_a_chunk_has_the_documented_lanes() -> None:
-    data = random_tensor(torch.uint8, 4 * WINDOW_WORDS + 4003, seed=9)  # two chunks and a tail
+    data = random_tensor(torch.uint8, 2 * CHUNK_BYTES + 4003, seed=9)  # two chunks and a tail
     assert digest(data).tolist() == reference(data.numpy().tobytes())
-    constant = torch.full((4 * WINDOW_WORDS + 8,), 0x7F, dtype=torch.uint8)
+    constant = torch.full((CHUNK_BYTES + 8,), 0x7F, dtype=torch.uint8)
     assert digest(constant).tolist() == reference(constant.numpy().tobytes())
+
+
+def test_the_block_weights_are_nonzero_and_no_two_rows_proportional() -> None:
+    """What makes every change of one or two bytes of a block change its sums."""
+    m = BLOCK_WEIGHTS.to(torch.int64)
+    assert tuple(m.shape) == (BLOCK_BYTES, SUMS) == (64, 2)
+    assert m.ne(0).all()
+    cross = m[:, None, 0] * m[None, :, 1] - m[:, None, 1] * m[None, :, 0]
+    assert cross.ne(0).sum() == BLOCK_BYTES * (BLOCK_BYTES - 1)  # zero on the diagonal only
+
+
+def test_every_change_of_one_or_two_bytes_of_a_block_changes_its_sums() -> None:
+    """Every pair of places, changes of every size and sign (as signed bytes), at once."""
+    m = BLOCK_WEIGHTS.to(torch.int64)
+    d = torch.tensor([1, 2, 3, 64, 127, 128, 129, 255])
+    d = torch.cat([d, -d])
+    for k in range(BLOCK_BYTES):
+        one = d[:, None] * m[k]  # [changes, 2]
+        assert one.ne(0).any(1).all(), k
+        two = one[:, None, None, :] + d[None, :, None, None] * m[None, None, k + 1 :, :]
+        assert two.ne(0).any(-1).all(), k
+
+
+def test_the_int8_and_float64_block_sums_agree_and_are_exact() -> None:
+    """The CPU's int8 product and other devices' float64 one give the same integers."""
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(-128, 128, (2000, BLOCK_BYTES), dtype=torch.int8, generator=g)
+    blocks[0] = -128  # the largest sums
+    blocks[1] = 127
+    exact = blocks.to(torch.int64) @ BLOCK_WEIGHTS.to(torch.int64)
+    for sums in (digest_module._int8_sums, digest_module._float_sums):
+        out = torch.empty(2000, SUMS, dtype=torch.int32)
+        sums(blocks, out)
+        assert torch.equal(out.to(torch.int64), exact), sums.__name__
+    assert exact.abs().max() < 2**20
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -142,7 +203,7 @@ CRAFTED = {
 def _word_bucket(seed: int = 0) -> tuple[object, torch.Tensor, list[tuple[int, int]]]:
     """One bucket of float32 pieces of many sizes (windows of small ones, two large ones)
     filled with random bytes, and each piece's (first word, words)."""
-    sizes = [3 + 131 * i for i in range(48)] + [WINDOW_WORDS + 77, 5000, WINDOW_WORDS]
+    sizes = [3 + 131 * i for i in range(48)] + [CHUNK_DATA_WORDS + 77, 5000, CHUNK_DATA_WORDS]
     metas = [ParamMeta(f"layers.{i // 8}.p{i}", torch.float32, (n,)) for i, n in enumerate(sizes)]
     plan = plan_buckets(metas, buffer_bytes=64 << 20, min_bucket_bytes=64 << 20)
     assert len(plan.buckets) == 1
@@ -189,18 +250,19 @@ def test_crafted_multi_word_patterns_change_the_digest_at_every_offset(name: str
 
 @pytest.mark.parametrize("name", ["+1-2+1", "+1-1-1+1", "+k-k at distance 1000"])
 def test_crafted_patterns_across_a_chunk_boundary_change_the_digest(name: str) -> None:
-    data = random_tensor(torch.int32, 2 * WINDOW_WORDS + 1005, seed=4)
+    data = random_tensor(torch.int32, 2 * CHUNK_DATA_WORDS + 1005, seed=4)
     base = digest(data)
-    for start in (WINDOW_WORDS - 3, WINDOW_WORDS - 1, WINDOW_WORDS, 2 * WINDOW_WORDS - 2):
+    c = CHUNK_DATA_WORDS
+    for start in (c - 3, c - 1, c, 2 * c - 2):
         changed = data.clone()
         added(changed, [(start + at, delta) for at, delta in CRAFTED[name]])
         assert (digest(changed) == base).tolist() == [False, False], start
 
 
 def test_pairs_at_distances_up_to_a_chunk_change_the_digest() -> None:
-    data = random_tensor(torch.int32, WINDOW_WORDS + 2000, seed=6)
+    data = random_tensor(torch.int32, CHUNK_DATA_WORDS + 2000, seed=6)
     base = digest(data)
-    for distance in (1, 2, 3, 4, 5, 8, 15, 16, 17, 64, 255, 256, 4096, 65536, WINDOW_WORDS):
+    for distance in (1, 2, 3, 4, 5, 8, 15, 16, 17, 64, 255, 256, 4096, 65536, CHUNK_DATA_WORDS):
         for delta in (1, -1, 2, 1 << 16, -(1 << 31) + 1):
             changed = data.clone()
             added(changed, [(7, delta), (7 + distance, -delta)])
@@ -245,21 +307,18 @@ def _thue_morse(n: int) -> list[int]:
 
 
 def test_changes_that_lane_a_misses_are_caught_by_lane_b() -> None:
-    """Two documented misses of the linear lane: +-1 on 2**10 words in Thue-Morse order,
-    and the signs of four words at 0, 2**14, 2**15, 3 * 2**14 flipped (changes
-    2**31 * (1 - x**(2**14)) * (1 - x**(2**15)))."""
-    data = random_tensor(torch.int32, 3 * 2**14 + 1, seed=10)
-    at = [0, 2**14, 2**15, 3 * 2**14]
-    for i, negative in zip(at, [True, False, False, True], strict=True):
-        magnitude = int(data[i]) % 2**31
-        data[i] = -magnitude - 1 if negative else magnitude  # changes +2**31, -2**31, ...
-    base = digest(data)
+    """Two documented misses of the linear lane, on stage 2's words: +-1 on 2**10 words in
+    Thue-Morse order, and the sign bits of two words flipped (changes of 2**63 each)."""
+    g = torch.Generator().manual_seed(10)
+    data = torch.randint(-(2**62), 2**62, (3 * 2**14 + 1,), dtype=torch.int64, generator=g)
+    base = lanes(data)
+    assert base.tolist() == reference_lanes(data.tolist())
     morse = data.clone()
-    added(morse, [(100 + i, d) for i, d in enumerate(_thue_morse(1 << 10))])
+    morse[100 : 100 + 2**10] += torch.tensor(_thue_morse(1 << 10))
     signs = data.clone()
-    signs[at] ^= -(2**31)  # each sign bit flipped
+    signs[[0, 2**14 + 3]] ^= -(2**63)
     for changed in (morse, signs):
-        assert (digest(changed) == base).tolist() == [True, False]
+        assert (lanes(changed) == base).tolist() == [True, False]
 
 
 def test_thousands_of_random_small_weight_patterns_change_the_digest() -> None:
@@ -315,7 +374,7 @@ def _mixed_metas() -> list[ParamMeta]:
         for i in range(400)
     ]
     metas.insert(5, ParamMeta("layers.0.empty", torch.float32, (0,)))
-    metas.append(ParamMeta("head.weight", torch.float32, (WINDOW_WORDS + 3,)))  # chunked
+    metas.append(ParamMeta("head.weight", torch.float32, (CHUNK_DATA_WORDS + 3,)))  # chunked
     return metas
 
 
@@ -324,7 +383,7 @@ def test_bucket_digests_are_the_digests_of_each_piece(buffer_bytes: int) -> None
     metas = _mixed_metas()
     if buffer_bytes == 16 << 20:  # one bucket spanning more than one window of small pieces
         metas = [*metas, *(ParamMeta(f"more.{i}", torch.float32, (5000,)) for i in range(300))]
-        assert sum(m.nbytes for m in metas) > 4 * WINDOW_WORDS
+        assert sum(m.nbytes for m in metas) > CHUNK_BYTES
     plan, tensors, buckets = _plan_and_bucket_bytes(metas, buffer_bytes)
     digests = BucketDigests.of_plan(plan)
     assert BucketDigests.of_plan(plan) is digests  # built once per plan
@@ -340,7 +399,7 @@ def test_the_digests_do_not_depend_on_the_window_size(monkeypatch: pytest.Monkey
     """What an accelerator's larger windows change is the batching, not the values."""
     metas = [*_mixed_metas(), *(ParamMeta(f"more.{i}", torch.float32, (777,)) for i in range(40))]
     plan, _, buckets = _plan_and_bucket_bytes(metas, 1 << 20)
-    big = random_tensor(torch.int32, 3 * WINDOW_WORDS + 5, seed=11)
+    big = random_tensor(torch.int32, 3 * CHUNK_DATA_WORDS + 5, seed=11)
     want = [BucketDigests(plan).of(k, b).tolist() for k, b in enumerate(buckets)]
     want_big = digest(big).tolist()
     monkeypatch.setattr(digest_module, "WINDOW_WORDS", 1 << 10)  # more chunks and windows

@@ -254,8 +254,9 @@ def dtype_from_name(name: str, *, field: str = "dtype") -> torch.dtype:
 
 # 2: the authenticated store (`secret`), `verify`. 3: every store frame authenticated, the
 # two-lane digest, the nccl header (int64[8]) and sparse header (int64[34]), ipc seals and
-# LAYOUT frames, the trainer's control key in every init payload.
-WIRE_PROTOCOL_VERSION = 3
+# LAYOUT frames, the trainer's control key in every init payload. 4: the nccl round header
+# and per-bucket status tail, the digest over 64-byte block sums.
+WIRE_PROTOCOL_VERSION = 4
 
 
 @dataclass

@@ -61,6 +61,10 @@ GOALS: dict[str, Goal] = {
         Goal("moe.ipc_vs_bare", "ipc packed vs the bare broadcast ({scenario})", 1.5, False, "x"),
         Goal("moe.sharded_rdt_vs_bare", "sharded_rdt vs the bare broadcast ({scenario})",
              3.0, False, "x"),
+        Goal("verify.nccl_x_unverified",
+             "nccl packed with verify=True vs without ({scenario})", 1.5, False, "x"),
+        Goal("verify.ipc_x_unverified",
+             "ipc packed with verify=True vs without ({scenario})", 1.5, False, "x"),
         Goal("memory.peak_extra_vs_staging",
              "peak extra memory per side vs its configured staging", 1.10, False, "of staging"),
         # live vLLM engines (`wt_tools.live_bench`)

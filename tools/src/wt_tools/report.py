@@ -90,6 +90,14 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                               ("sharded_rdt", "sharded_rdt")):  # fmt: skip
             row = _mode(scenario, mode) if scenario else None
             check(f"{prefix}.{backend}_vs_bare", row["x_bare_broadcast"] if row else None, name)
+    for backend in ("nccl", "ipc"):
+        verified = _scenario(results, "dense", mode=f"{backend} packed verify") or {}
+        row = _mode(verified, f"{backend} packed verify") if verified else None
+        check(
+            f"verify.{backend}_x_unverified",
+            row["x_unverified"] if row else None,
+            verified.get("scenario", "dense"),
+        )
     worst = None
     for sc in results["scenarios"]:
         for m in sc["modes"]:

@@ -1,66 +1,84 @@
 """Verified bytes: a digest of every piece a bucketed wire moves, and the worker's check.
 
 The digest of a run of bytes is a pair of 64-bit lanes computed with torch
-ops on the bytes' own device (CPU or CUDA; nothing is copied to the host).
-The bytes are read as 32-bit words `w_0 .. w_{m-1}` (little-endian, signed);
-a tail of 1-3 bytes is one more word `w_m`, its bytes zero-padded and read
-unsigned. With the lanes' arithmetic modulo 2**64:
+ops on the bytes' own device (CPU or CUDA; nothing is copied to the host),
+in two stages.
 
-    A = sum(KA**i * w_i)
-    B = sum(KB**i * mix(w_i)),  mix(x) = u ^ (u >> 16), u = MIX * x mod 2**32
+1. **Block sums.** The bytes, read as signed 8-bit integers and zero-padded
+   to a multiple of `BLOCK_BYTES` (64, the bucket alignment, so every piece
+   of a bucket starts a block), form blocks `b` of 64. Each block gives two
+   sums `b @ M`, where `M` (`BLOCK_WEIGHTS`) is a fixed `int8[64, 2]` matrix
+   of nonzero entries, no two rows proportional. Every sum is an exact
+   integer under 2**20: nothing wraps, so every bit of every byte counts
+   alike, and the order of the additions never matters (CPU and CUDA agree).
+   One int8 matrix product reads the bytes once.
+2. **Lanes.** Each block's two sums, as 32-bit patterns (the first low, the
+   second high), are one signed 64-bit word `w_b`. With arithmetic modulo
+   2**64:
 
-where `KA`, `KB` (64-bit) and `MIX` (32-bit) are fixed odd constants, `>>`
-is a logical shift and `mix(x)` is read as a signed 32-bit word. Lane A
-weighs each word by a power of `KA`; lane B first mixes each word
-non-linearly (`mix` is a bijection of 32-bit words that brings the high
-bits of the product down into the low ones) and weighs it by a power of
-`KB`. Products and sums wrap alike in torch on CPU and CUDA, so trainer and
-worker compute the same lanes and the order of a reduction never matters.
+       A = sum(KA**b * w_b)
+       B = sum(KB**b * mix(w_b)),  mix(x) = u ^ (u >> 32), u = MIX * x
 
-What it detects, for pieces under 2**31 words (8 GiB). `d` is a change of
-one word (`0 < |d| < 2**32`), `v(n)` the number of factors 2 in `n`; a
-lane's change is nonzero when its factors 2 number fewer than 64:
+   where `KA`, `KB` and `MIX` are fixed odd 64-bit constants and `>>` is a
+   logical shift. Lane A weighs each word by a power of `KA`; lane B first
+   mixes each word non-linearly (`mix` is a bijection that brings the high
+   bits of the product down into the low ones) and weighs it by a power of
+   `KB`. Products and sums wrap alike in torch on CPU and CUDA.
 
-- every change confined to one word (a flipped bit or byte, a tail): lane A
-  changes by `KA**i * d`, `KA` odd; lane B alike, `mix` being a bijection;
-- every exchange of two words `s` apart: both lanes change by
-  `(K**i - K**(i+s)) * (difference of the two words, or of their mixes)`,
-  and `v(1 - K**s) <= 2 + v(s)` for both bases (`KA = 5`, `KB = 3 mod 8`);
-- every pair `(+d, -d)` or `(+d, +d)` at any distance `s`: lane A changes by
-  `KA**i * d * (1 -/+ KA**s)`, `v(1 + KA**s) = 1`;
-- `(+c, -2c, +c)` on three consecutive words, or on words `s` apart for `s`
-  under 2**15, and `(+c, -c, -c, +c)` on four consecutive words: lane A
-  changes by `KA**i * c * (1 - KA**s)**2` and `KA**i * c * (1 - KA)(1 - KA**2)`.
+Stage 2 reads one word per 64 bytes, so the digest costs about 1.3-1.7
+copies of the bytes on one CPU core (stage 1 about one; `wt_tools.digest_bench`),
+where lanes over the bytes themselves cost 9-11.
 
-A change that lane A misses solves `sum(KA**i * d_i) = 0 mod 2**64`: long
-patterns exist (+-1 on 2**10 words in Thue-Morse order), and short ones in
-the high bits (the signs of the words at 0, 2**14, 2**15 and 3 * 2**14
-flipped, when the four changes come out +2**31, -2**31, -2**31, +2**31).
-It still has to cancel lane B, whose terms depend non-linearly on the
-words' values: we know of no small pattern (a few words, a run zeroed, a
-word moved) that does, and expect one change in about 2**64 to pass both.
+What it detects, for pieces under 2**41 blocks:
+
+- **Within a block**, a change `d` of its bytes (`d_k` the change of byte
+  `k` read as signed, `0 < |d_k| < 256`) changes the block's sums unless
+  `d @ M = 0`, two equations over the integers. One or two changed bytes
+  always change them (entries nonzero, rows not proportional), whatever
+  their bits: a flipped sign bit is a change of 128 like any other. Three or
+  more bytes can cancel: a change of `k` bytes of one block drawn at random
+  does so with probability about `1 / (2 pi s_0 s_1)`, `s_c**2 = sum(d_k**2
+  * M[k, c]**2)`: about 2**-17 for +-1 on four bytes, 2**-34 for four bytes
+  drawn at random. This is the price of reading the bytes once.
+- **Across blocks**, changed sums are changed words, by `d` with `v(d) <= 52`
+  (`v(n)`: the number of factors 2 in `n`; each sum changes by less than
+  2**21, and `v(d) <= 20` when the first one changes). A lane's change is
+  nonzero when its factors 2 number fewer than 64:
+  - every change of one block: lane A changes by `KA**b * d`, `KA` odd; lane
+    B alike, `mix` being a bijection;
+  - every pair `(+d, +d)` at any distance `s`: lane A changes by
+    `KA**b * d * (1 + KA**s)`, `v(1 + KA**s) = 1`;
+  - every pair `(+d, -d)`, so every exchange of two blocks, at distance `s`:
+    lane A changes by `KA**b * d * (1 - KA**s)`, `v(1 - KA**s) = 2 + v(s)`
+    (`KA = 5 mod 8`): nonzero when the blocks' first sums differ, or when
+    `v(s) < 10`;
+  - `(+c, -2c, +c)` on three consecutive words and `(+c, -c, -c, +c)` on
+    four: lane A changes by `KA**b * c * (1 - KA)**2` and
+    `KA**b * c * (1 - KA)(1 - KA**2)`, 4 and 5 factors 2.
+
+  A change of words that lane A misses solves `sum(KA**b * d_b) = 0 mod
+  2**64`: long patterns exist (+-1 on 2**10 words in Thue-Morse order), but
+  it still has to cancel lane B, whose terms depend non-linearly on the
+  words' values; we know of no small pattern that cancels both.
+
 The digest is not cryptographic: whoever can write the bytes can write
-matching digests too; the authenticated rendezvous keeps strangers off the wire.
+matching digests too; the authenticated rendezvous keeps strangers off the
+wire.
 
 Per bucket, `BucketDigests.of(k, buf)` is one small `int64[pieces, 2]`
 tensor: the digest `[A, B]` of each piece of bucket `k` (a whole tensor, or
-the byte range of a split one), positions counted from the piece's own
-first word, as it lies in `buf`. With windows of `n` words (`WINDOW_WORDS`
-on CPU, `DEVICE_WINDOW_WORDS` on an accelerator; the lanes do not depend on
-it), pieces of at least `n` words are summed in chunks of `n` (chunk `q`'s
-sums scaled by `(KA, KB)**(q * n)`), and smaller ones batched in windows of the
-bucket: the window's weighted terms are summed per block of `BLOCK_WORDS`
-(every piece starts a block), prefix sums of the block sums less the few
-words after a piece's end in its last block give each piece's sums, and
-these are rescaled from the window's first word to the piece's own by
-`(KA, KB)**-begin` (odd numbers are invertible modulo 2**64). So a bucket of
-thousands of small tensors costs a few torch calls per window, not per tensor.
-
-Cost: per chunk or window the terms take two widening copies (the words,
-their mixes), four int32 passes (the mix), one int64 multiply by the
-position weights and one sum: about 120 bytes of memory traffic per 4-byte
-word, and int64 multiplies are the slowest part on CPU. A fused kernel would
-read each word once and keep its terms in registers.
+the byte range of a split one), as it lies in `buf`. Stage 1 runs once over
+the bucket's whole blocks; the last block of a piece that does not fill it
+(its tail, followed by padding) is summed again from the piece's own bytes,
+zero-padded, all such blocks of a bucket in one product. In stage 2 every
+piece is a run of whole words, the runs gapless. With windows of `n` words
+(`WINDOW_WORDS` on CPU, `DEVICE_WINDOW_WORDS` on an accelerator; the lanes
+do not depend on it), runs of at least `n` words are summed in chunks of `n`
+(chunk `q`'s sums scaled by `(KA, KB)**(q * n)`), and shorter ones batched
+in windows: prefix sums of the window's weighted terms give each run's sums,
+rescaled from the window's first word to the run's own by `(KA, KB)**-begin`
+(odd numbers are invertible modulo 2**64). So a bucket of thousands of small
+tensors costs a few torch calls per window, not per tensor.
 
 Worker: `BucketDigests.check(k, buf, expected)` raises `DigestMismatch`
 naming the bucket and the first parameter whose bytes differ; core's
@@ -95,22 +113,53 @@ __all__ = [
     "DigestMismatch",
     "DigestRoom",
     "bucket_landed",
+    "BLOCK_BYTES",
+    "BLOCK_WEIGHTS",
     "DIGEST_DTYPE",
 ]
 
 DIGEST_DTYPE = torch.int64
-WINDOW_WORDS = 1 << 16  # words per torch call on CPU (int64 rows of 512 KiB: in L2)
+BLOCK_BYTES = ALIGNMENT  # bytes per block of stage 1; every piece of a bucket starts one
+SUMS = 2  # sums per block, together one 64-bit word of stage 2
+WINDOW_WORDS = 1 << 16  # stage 2's words per torch call on CPU (int64 rows of 512 KiB: in L2)
 DEVICE_WINDOW_WORDS = 1 << 21  # on an accelerator, where every call is a kernel launch
-BLOCK_WORDS = ALIGNMENT // 4  # a window's terms are summed per block; pieces start on one
+EXACT_ROWS = 1 << 16  # blocks per float64 product off the CPU (32 MiB of float64)
 
 KA = 0x9E3779B97F4A7C15  # lane A's position base (odd, 5 mod 8)
 KB = 0x94D049BB133111EB  # lane B's position base (odd, 3 mod 8)
-MIX = 0x9E3779B1  # lane B's 32-bit word multiplier (odd)
+MIX = 0xD6E8FEB86659FD93  # lane B's word multiplier (odd)
 _MOD = 1 << 64
 
 
+def _draw_block_weights() -> torch.Tensor:
+    """`int8[BLOCK_BYTES, SUMS]`, row by row: entries `x mod 255 - 127` of splitmix64
+    draws from state 0, a zero skipped, a row proportional to an earlier one drawn again."""
+    state = 0
+
+    def draw() -> int:
+        nonlocal state
+        state = (state + 0x9E3779B97F4A7C15) % _MOD
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) % _MOD
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % _MOD
+        return z ^ (z >> 31)
+
+    rows: list[list[int]] = []
+    while len(rows) < BLOCK_BYTES:
+        row: list[int] = []
+        while len(row) < SUMS:
+            value = draw() % 255 - 127
+            if value:
+                row.append(value)
+        if all(row[0] * other[1] != row[1] * other[0] for other in rows):
+            rows.append(row)
+    return torch.tensor(rows, dtype=torch.int8)
+
+
+BLOCK_WEIGHTS = _draw_block_weights()
+
+
 def _window_words(device: torch.device) -> int:
-    """Words per torch call on `device` (the lanes do not depend on it)."""
+    """Stage 2's words per torch call on `device` (the lanes do not depend on it)."""
     return WINDOW_WORDS if device.type == "cpu" else DEVICE_WINDOW_WORDS
 
 
@@ -140,31 +189,61 @@ def _signed(value: int) -> int:
     return value - _MOD if value >> 63 else value
 
 
-def _signed32(value: int) -> int:
-    """`value` modulo 2**32 as a signed 32-bit integer (what an int32 tensor holds)."""
-    value %= 1 << 32
-    return value - (1 << 32) if value >> 31 else value
-
-
 def _powers(exponent: int) -> tuple[int, int]:
     """`(KA**exponent, KB**exponent)` modulo 2**64, signed; a negative exponent inverts."""
     return _signed(pow(KA, exponent, _MOD)), _signed(pow(KB, exponent, _MOD))
 
 
-def _mix(words: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """`out` set to `mix(words)` (module docstring); all three int32 of one size."""
-    torch.mul(words, _signed32(MIX), out=out)
-    high = torch.bitwise_right_shift(out, 16, out=scratch).bitwise_and_(0xFFFF)
-    return out.bitwise_xor_(high)
+# -- stage 1: block sums -------------------------------------------------------------
 
 
-def _words(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`data` (flat uint8) as its int32 words and its tail bytes (a copy if misaligned)."""
-    whole = data.numel() // 4 * 4
-    body = data[:whole]
-    if body.storage_offset() % 4:
-        body = body.clone()
-    return body.view(torch.int32), data[whole:]
+@functools.lru_cache(maxsize=8)
+def _weights_on(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`BLOCK_WEIGHTS` on `device` as `dtype` (read-only)."""
+    return BLOCK_WEIGHTS.to(device, dtype)
+
+
+def _int8_sums(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """`out` (int32[m, SUMS]) set to `blocks @ BLOCK_WEIGHTS` (`blocks`: int8[m,
+    BLOCK_BYTES]) by one int8 product with int32 sums: how the CPU computes them."""
+    torch._int_mm(blocks, _weights_on(blocks.device, torch.int8), out=out)
+
+
+def _float_sums(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """`_int8_sums` by float64 products, `EXACT_ROWS` blocks at a time: exact, every
+    product and partial sum being an integer under 2**20; how other devices compute them."""
+    weights = _weights_on(blocks.device, torch.float64)
+    for start in range(0, blocks.shape[0], EXACT_ROWS):
+        part = blocks[start : start + EXACT_ROWS]
+        out[start : start + part.shape[0]].copy_(torch.mm(part.to(torch.float64), weights))
+
+
+def _block_sums(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """`out` (int32[m, SUMS]) set to the sums of `blocks` (int8[m, BLOCK_BYTES])."""
+    if blocks.shape[0]:
+        (_int8_sums if blocks.device.type == "cpu" else _float_sums)(blocks, out)
+
+
+def _as_blocks(flat: torch.Tensor) -> torch.Tensor:
+    """`flat` (uint8, a multiple of `BLOCK_BYTES` long) as `int8[blocks, BLOCK_BYTES]`."""
+    return flat.view(torch.int8).view(-1, BLOCK_BYTES)
+
+
+def _sums_of(flat: torch.Tensor) -> torch.Tensor:
+    """Stage 2's words (int64, one per block): the block sums of `flat` (uint8), its
+    last block zero-padded."""
+    whole = flat.numel() // BLOCK_BYTES * BLOCK_BYTES
+    blocks = -(-flat.numel() // BLOCK_BYTES)
+    sums = torch.empty(blocks, SUMS, dtype=torch.int32, device=flat.device)
+    _block_sums(_as_blocks(flat[:whole]), sums[: whole // BLOCK_BYTES])
+    if whole < flat.numel():
+        last = torch.zeros(1, BLOCK_BYTES, dtype=torch.int8, device=flat.device)
+        last[0, : flat.numel() - whole] = flat[whole:].view(torch.int8)
+        _block_sums(last, sums[-1:])
+    return sums.view(torch.int64).view(-1)
+
+
+# -- stage 2: lanes ------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=8)
@@ -208,157 +287,155 @@ _TABLES = _Tables()
 
 
 class _Scratch(threading.local):
-    """Per thread, device and window size: work buffers, allocated once (fresh
-    buffers per call page-fault on CPU). Per thread, because a trainer and a worker
-    may digest in one process at once."""
+    """Per thread and device: work buffers, allocated once and grown (fresh buffers
+    per call page-fault on CPU). Per thread, because a trainer and a worker may
+    digest in one process at once."""
 
     def __init__(self) -> None:
         self.by_key: dict[tuple[torch.device, int], dict[str, torch.Tensor]] = {}
+        self.block_sums: dict[torch.device, torch.Tensor] = {}
 
     def get(self, device: torch.device, n: int) -> dict[str, torch.Tensor]:
+        """Stage 2's buffers for windows of `n` words."""
         if (device, n) not in self.by_key:
             self.by_key[device, n] = {
                 "terms": torch.empty(2, n, dtype=DIGEST_DTYPE, device=device),
-                "mixed": torch.empty(n, dtype=torch.int32, device=device),
-                "high": torch.empty(n, dtype=torch.int32, device=device),
-                "prefix": torch.zeros(2, n // BLOCK_WORDS + 1, dtype=DIGEST_DTYPE, device=device),
+                "mixed": torch.empty(n, dtype=DIGEST_DTYPE, device=device),
+                "high": torch.empty(n, dtype=DIGEST_DTYPE, device=device),
+                "prefix": torch.zeros(2, n + 1, dtype=DIGEST_DTYPE, device=device),
             }
         return self.by_key[device, n]
+
+    def sums(self, device: torch.device, blocks: int) -> torch.Tensor:
+        """`int32[blocks, SUMS]`: room for a bucket's block sums."""
+        have = self.block_sums.get(device)
+        if have is None or have.shape[0] < blocks:
+            have = self.block_sums[device] = torch.empty(
+                blocks, SUMS, dtype=torch.int32, device=device
+            )
+        return have[:blocks]
 
 
 _SCRATCH = _Scratch()
 
 
-def _terms(words: torch.Tensor, padded: int, window: int) -> torch.Tensor:
-    """`int64[2, padded]`: lane A's and lane B's terms of `words` (int32, at most
-    `window`), weighted by their position in `words`; zero terms after them."""
+def _mix(words: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """`out` set to `mix(words)` (module docstring); all three int64 of one size."""
+    torch.mul(words, _signed(MIX), out=out)
+    high = torch.bitwise_right_shift(out, 32, out=scratch).bitwise_and_(0xFFFFFFFF)
+    return out.bitwise_xor_(high)
+
+
+def _weighted_sum(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`sum(values * weights)` modulo 2**64 (int64, one dimension): one pass on the CPU."""
+    if values.device.type == "cpu":
+        return torch.dot(values, weights)
+    return torch.mul(values, weights).sum()
+
+
+def _terms(words: torch.Tensor, window: int) -> torch.Tensor:
+    """`int64[2, len(words)]`: lane A's and lane B's terms of `words` (int64, at most
+    `window`), weighted by their position in `words`."""
     device = words.device
     scratch, weights = _SCRATCH.get(device, window), _TABLES.get(device, window)["weights"]
     n = words.numel()
-    terms = scratch["terms"][:, :padded]
-    terms[0, :n].copy_(words)
-    terms[1, :n].copy_(_mix(words, scratch["mixed"][:n], scratch["high"][:n]))
-    if padded > n:
-        terms[:, n:].zero_()  # zero words have zero terms in both lanes
-    return terms.mul_(weights[:, :padded])
+    terms = scratch["terms"][:, :n]
+    torch.mul(words, weights[0, :n], out=terms[0])
+    torch.mul(_mix(words, scratch["mixed"][:n], scratch["high"][:n]), weights[1, :n], out=terms[1])
+    return terms
 
 
 def _sum_chunks_into(out: torch.Tensor, words: torch.Tensor) -> None:
-    """Add into `out` (int64[2]) the lanes of `words` (int32), positions from its first."""
+    """Add into `out` (int64[2]) the lanes of `words` (int64), positions from its first."""
     if not words.numel():
         return
     window = _window_words(words.device)
-    step = _TABLES.get(words.device, window)["step"]
+    scratch, tables = _SCRATCH.get(words.device, window), _TABLES.get(words.device, window)
+    weights = tables["weights"]
     scale = torch.ones(2, dtype=DIGEST_DTYPE, device=words.device)
     for start in range(0, words.numel(), window):
         if start:
-            scale.mul_(step)
+            scale.mul_(tables["step"])
         chunk = words[start : start + window]
-        out.add_(_terms(chunk, chunk.numel(), window).sum(1).mul_(scale))
-
-
-def _tail_lanes(tail_words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`int64[tails, 2]`: the lanes of tail words (int32) at positions whose weights
-    are `scales` (`int64[tails, 2]`)."""
-    mixed = _mix(tail_words, torch.empty_like(tail_words), torch.empty_like(tail_words))
-    return torch.stack((tail_words, mixed), dim=1).to(DIGEST_DTYPE).mul_(scales)
+        n = chunk.numel()
+        mixed = _mix(chunk, scratch["mixed"][:n], scratch["high"][:n])
+        lanes = torch.stack(
+            (_weighted_sum(chunk, weights[0, :n]), _weighted_sum(mixed, weights[1, :n]))
+        )
+        out.add_(lanes.mul_(scale))
 
 
 def digest(data: torch.Tensor) -> torch.Tensor:
     """The digest `int64[A, B]` of `data`'s bytes, on `data`'s device (module docstring)."""
     flat = as_bytes(data)
     out = torch.zeros(2, dtype=DIGEST_DTYPE, device=flat.device)
-    words, tail = _words(flat)
-    _sum_chunks_into(out, words)
-    if tail.numel():
-        shifts = torch.tensor([1, 1 << 8, 1 << 16][: tail.numel()], device=flat.device)
-        word = (tail * shifts).sum().reshape(1).to(torch.int32)
-        scale = torch.tensor([_powers(words.numel())], dtype=DIGEST_DTYPE, device=flat.device)
-        out.add_(_tail_lanes(word, scale)[0])
+    _sum_chunks_into(out, _sums_of(flat))
     return out
+
+
+# -- per bucket ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _Window:
-    """Small pieces lying in words `[start, stop)` of a bucket, batched in one pass."""
+    """Pieces whose words (stage 2's) lie in `[start, stop)`, summed in one pass."""
 
     start: int
     stop: int
     rows: list[int]  # the pieces' indexes in the bucket
-    first_block: list[int]  # per piece: the block it starts (blocks counted from `start`)
-    end_block: list[int]  # per piece: one past the block holding its last word
-    unshift: list[tuple[int, int]]  # per piece: (KA, KB)**-(its first word - start)
-    edge_piece: list[int]  # per word after a piece in its last block: the piece's slot
-    edge_at: list[int]  # ... and that word, relative to `start`
-
-    @property
-    def padded(self) -> int:
-        return -(-(self.stop - self.start) // BLOCK_WORDS) * BLOCK_WORDS
+    begin: list[int]  # per piece: its first word, relative to `start`
+    end: list[int]  # ... one past its last
+    unshift: list[tuple[int, int]]  # ... (KA, KB)**-begin
 
 
 @dataclass(frozen=True)
 class _Layout:
-    """How one bucket's digests are computed: large pieces, windows, tail words."""
+    """How one bucket's digests are computed: its blocks, the blocks its pieces'
+    tails share with padding, its large pieces and its windows of small ones."""
 
+    blocks: int  # blocks of the bucket's bytes, the last one possibly partial
+    tail_block: list[int]  # per piece that ends inside a block: that block
+    tail_from: list[int]  # per tail byte: its offset in the bucket
+    tail_to: list[int]  # ... and its place in the tails' zero-padded blocks
     large: list[tuple[int, int, int]]  # (piece, first word, words)
     windows: list[_Window]
-    tail_rows: list[int]  # per piece with a tail word: the piece
-    tail_scale: list[tuple[int, int]]  # ... and (KA, KB)**(its tail word's position)
-    tail_slot: list[int]  # per tail byte: its piece's slot in `tail_rows`
-    tail_at: list[int]  # ... its offset in the bucket
-    tail_shift: list[int]  # ... its place value in the tail word (1, 2**8, 2**16)
-
-
-def _window(rows: list[int], spans: list[tuple[int, int]], n: int) -> _Window:
-    """The window (of at most `n` words) of small pieces `rows` lying in bucket words
-    `spans`, each starting on a block boundary."""
-    start, stop = spans[0][0], spans[-1][1]
-    first_block: list[int] = []
-    end_block: list[int] = []
-    edge_piece: list[int] = []
-    edge_at: list[int] = []
-    for slot, (begin, end) in enumerate(spans):
-        end_block.append(-(-(end - start) // BLOCK_WORDS))
-        first_block.append((begin - start) // BLOCK_WORDS)
-        past = min(end_block[-1] * BLOCK_WORDS, stop - start)  # words after the window are 0
-        edge_piece += [slot] * (past - (end - start))
-        edge_at += range(end - start, past)
-    unshift = _powers_of([begin - start for begin, _ in spans], n, sign=-1)
-    return _Window(start, stop, list(rows), first_block, end_block, unshift, edge_piece, edge_at)
 
 
 def _layout(bucket: Bucket, window: int) -> _Layout:
     """Bucket `bucket`'s layout for windows of `window` words: pieces of at least that
     many words are summed on their own, smaller ones batched in windows."""
+    tail_block: list[int] = []
+    tail_from: list[int] = []
+    tail_to: list[int] = []
     large: list[tuple[int, int, int]] = []
     windows: list[_Window] = []
-    tail_rows: list[int] = []
-    tail_scale: list[int] = []
-    tail_slot: list[int] = []
-    tail_at: list[int] = []
-    tail_shift: list[int] = []
     rows: list[int] = []
     spans: list[tuple[int, int]] = []
 
     def flush() -> None:
         if rows:
-            windows.append(_window(rows, spans, window))
+            start = spans[0][0]
+            begin = [b - start for b, _ in spans]
+            unshift = _powers_of(begin, window, sign=-1)
+            end = [e - start for _, e in spans]
+            windows.append(_Window(start, spans[-1][1], list(rows), begin, end, unshift))
         rows.clear()
         spans.clear()
 
     for j, piece in enumerate(bucket.pieces):
-        if piece.offset % ALIGNMENT:
+        if piece.offset % BLOCK_BYTES:
             raise ValueError(
-                f"piece {j} starts at byte {piece.offset}, not on a multiple of {ALIGNMENT}"
+                f"piece {j} starts at byte {piece.offset}, not on a multiple of {BLOCK_BYTES}"
             )
-        first, count = piece.offset // 4, piece.nbytes // 4
-        if piece.nbytes % 4:
-            for b in range(piece.nbytes % 4):
-                tail_slot.append(len(tail_rows))
-                tail_at.append(piece.offset + 4 * count + b)
-                tail_shift.append(1 << (8 * b))
-            tail_rows.append(j)
-            tail_scale.append(count)  # its tail word's position
+        first_block = piece.offset // BLOCK_BYTES
+        end_block = -(-(piece.offset + piece.nbytes) // BLOCK_BYTES)
+        spare = piece.nbytes % BLOCK_BYTES
+        if spare:
+            last = end_block - 1
+            tail_to += range(len(tail_block) * BLOCK_BYTES, len(tail_block) * BLOCK_BYTES + spare)
+            tail_from += range(last * BLOCK_BYTES, last * BLOCK_BYTES + spare)
+            tail_block.append(last)
+        first, count = first_block, end_block - first_block
         if count >= window:
             large.append((j, first, count))
             continue
@@ -369,8 +446,8 @@ def _layout(bucket: Bucket, window: int) -> _Layout:
         rows.append(j)
         spans.append((first, first + count))
     flush()
-    scales = _powers_of(tail_scale, window)
-    return _Layout(large, windows, tail_rows, scales, tail_slot, tail_at, tail_shift)
+    blocks = -(-bucket.nbytes // BLOCK_BYTES)
+    return _Layout(blocks, tail_block, tail_from, tail_to, large, windows)
 
 
 def _window_sums(
@@ -378,14 +455,10 @@ def _window_sums(
 ) -> torch.Tensor:
     """`int64[pieces, 2]`: the lanes of each piece of `window` (`index`: its tensors),
     in windows of `size` words."""
-    padded = window.padded
-    blocks = padded // BLOCK_WORDS
-    prefix = _SCRATCH.get(words.device, size)["prefix"][:, : blocks + 1]  # [:, 0] stays 0
-    terms = _terms(words[window.start : window.stop], padded, size)
-    torch.cumsum(terms.view(2, blocks, BLOCK_WORDS).sum(2), 1, out=prefix[:, 1:])
-    sums = prefix[:, index["end_block"]] - prefix[:, index["first_block"]]
-    if window.edge_at:
-        sums.index_add_(1, index["edge_piece"], terms[:, index["edge_at"]], alpha=-1)
+    n = window.stop - window.start
+    prefix = _SCRATCH.get(words.device, size)["prefix"][:, : n + 1]  # [:, 0] stays 0
+    torch.cumsum(_terms(words[window.start : window.stop], size), 1, out=prefix[:, 1:])
+    sums = prefix[:, index["end"]] - prefix[:, index["begin"]]
     return sums.t().mul_(index["unshift"])
 
 
@@ -421,25 +494,37 @@ class BucketDigests:
                 return torch.tensor(values, dtype=torch.int64, device=device)
 
             tails = {
-                "rows": tensor(layout.tail_rows),
-                "scale": tensor(layout.tail_scale),
-                "slot": tensor(layout.tail_slot),
-                "at": tensor(layout.tail_at),
-                "shift": tensor(layout.tail_shift).to(torch.int32),
+                "block": tensor(layout.tail_block),
+                "from": tensor(layout.tail_from),
+                "to": tensor(layout.tail_to),
             }
             windows = [
                 {
                     "rows": tensor(w.rows),
-                    "first_block": tensor(w.first_block),
-                    "end_block": tensor(w.end_block),
+                    "begin": tensor(w.begin),
+                    "end": tensor(w.end),
                     "unshift": tensor(w.unshift),
-                    "edge_piece": tensor(w.edge_piece),
-                    "edge_at": tensor(w.edge_at),
                 }
                 for w in layout.windows
             ]
             self._indexes[key] = [tails, *windows]
         return self._indexes[key]
+
+    @staticmethod
+    def _sums(buf: torch.Tensor, layout: _Layout, tails: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Stage 2's words of a bucket (`buf`: its bytes): one product over its whole
+        blocks, one more over its pieces' tails, each zero-padded to a block."""
+        sums = _SCRATCH.sums(buf.device, layout.blocks)
+        whole = buf.numel() // BLOCK_BYTES
+        _block_sums(_as_blocks(buf[: whole * BLOCK_BYTES]), sums[:whole])
+        if layout.tail_block:
+            count = len(layout.tail_block)
+            padded = torch.zeros(count * BLOCK_BYTES, dtype=torch.int8, device=buf.device)
+            padded.index_copy_(0, tails["to"], buf.view(torch.int8).index_select(0, tails["from"]))
+            tail_sums = torch.empty(count, SUMS, dtype=torch.int32, device=buf.device)
+            _block_sums(padded.view(count, BLOCK_BYTES), tail_sums)
+            sums.index_copy_(0, tails["block"], tail_sums)
+        return sums.view(torch.int64).view(-1)
 
     def of(self, k: int, buf: torch.Tensor) -> torch.Tensor:
         """`int64[pieces, 2]`: the digest of each piece of bucket `k` as it lies in `buf`."""
@@ -453,17 +538,12 @@ class BucketDigests:
         size = _window_words(buf.device)
         layout = self._layout(k, size)
         tails, *windows = self._index(k, buf.device, size)
+        words = self._sums(buf, layout, tails)
         out = torch.zeros(len(bucket.pieces), 2, dtype=DIGEST_DTYPE, device=buf.device)
-        words, _ = _words(buf)
         for j, first, count in layout.large:
             _sum_chunks_into(out[j], words[first : first + count])
         for window, index in zip(layout.windows, windows, strict=True):
             out.index_copy_(0, index["rows"], _window_sums(window, words, index, size))
-        if layout.tail_rows:
-            tail_words = torch.zeros(len(layout.tail_rows), dtype=torch.int32, device=buf.device)
-            tail_bytes = buf[tails["at"]].to(torch.int32) * tails["shift"]
-            tail_words.index_add_(0, tails["slot"], tail_bytes)
-            out.index_add_(0, tails["rows"], _tail_lanes(tail_words, tails["scale"]))
         return out
 
     def check(self, k: int, buf: torch.Tensor, expected: torch.Tensor) -> None:
