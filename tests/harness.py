@@ -2,8 +2,10 @@
 
 `WorkerPool` here serves two more methods in every worker: `count_costs`
 starts counting, on every thread, host syncs (`wt_tools.counting.HostSyncs`)
-and wire messages (`WireCalls`); `costs` stops and returns both, per method,
-as `{"host_syncs": {...}, "wire": {...}}`.
+and wire messages (`WireCalls`), and the aten ops of the worker's unpacking
+(`AtenOps` around `Unpacker.unpack`, on the thread that receives); `costs`
+stops and returns them as `{"host_syncs": {...}, "wire": {...}, "unpack":
+{"copied_bytes": n, "allocations": n}}`.
 """
 
 from __future__ import annotations
@@ -45,16 +47,38 @@ __all__ = [
 
 
 def cost_handlers(model: Any, session: Any) -> dict[str, Any]:
-    from wt_tools.counting import HostSyncs, WireCalls
+    from wt_tools.counting import AtenOps, HostSyncs, WireCalls
 
-    counters: list[tuple[HostSyncs, WireCalls]] = []
+    from wt_kits.stream import Unpacker
+
+    counters: list[tuple[HostSyncs, WireCalls, AtenOps, Any]] = []
+    unpacked: list[int] = []
 
     def count_costs() -> None:
-        counters.append((HostSyncs().start(), WireCalls().start()))
+        ops, unpack = AtenOps(), Unpacker.unpack
+        unpacked.clear()
+
+        def counted_unpack(self: Unpacker, k: int, *args: Any, **kwargs: Any) -> Any:
+            unpacked.append(k)
+            with ops:
+                return unpack(self, k, *args, **kwargs)
+
+        Unpacker.unpack = counted_unpack  # type: ignore[method-assign]
+        counters.append((HostSyncs().start(), WireCalls().start(), ops, unpack))
 
     def costs() -> dict[str, dict[str, int]]:
-        syncs, wire = counters.pop()
-        return {"host_syncs": dict(syncs.stop().counts), "wire": dict(wire.stop().counts)}
+        syncs, wire, ops, unpack = counters.pop()
+        Unpacker.unpack = unpack  # type: ignore[method-assign]
+        return {
+            "host_syncs": dict(syncs.stop().counts),
+            "wire": dict(wire.stop().counts),
+            "unpack": {
+                "copied_bytes": ops.copied_bytes,
+                "allocations": sum(ops.allocations.values()),
+                "ops": ops.total,
+                "buckets": len(unpacked),
+            },
+        }
 
     return {"count_costs": count_costs, "costs": costs}
 

@@ -14,7 +14,12 @@ tests). Counted on the trainer and in the worker process, on every thread:
   one byte copied per byte sent (the pack; nccl adds a 16-byte status tail per
   bucket), and no allocation but the finite check's (one norm per run of one
   dtype: these tensors alternate dtypes, the worst case; on CPU each norm is a
-  tensor of its own, on a GPU one per dtype and bucket).
+  tensor of its own, on a GPU one per dtype and bucket);
+- in the worker's unpacking (`AtenOps` around `Unpacker.unpack`, on the thread
+  that receives): one call per bucket, no aten op, nothing copied or allocated
+  (the views of each bucket were made in the cold round). A tensor split
+  across buckets would be the exception: its pieces are copied into a tensor
+  allocated for it each round, which the worker does not keep between rounds.
 
 sparse_nccl, a round of 1,000 and of 8,000 patches: its index checks (range,
 uniqueness) run batched, so host syncs stay a constant per batch on both sides.
@@ -114,6 +119,7 @@ def warm_round(pool: WorkerPool, backend: str, n: int) -> dict[str, Any]:
         "unchecked_allocations": dict(unchecked.allocations),
         "worker_syncs": sum(worker["host_syncs"].values()),
         "worker_wire": sum(worker["wire"].values()),
+        "worker_unpack": worker["unpack"],
     }
 
 
@@ -139,6 +145,10 @@ def test_a_warm_round_costs_a_constant_per_round_and_per_bucket_not_per_tensor(
         tails = 16 * buckets if backend == "nccl" else 0  # the status tails
         assert c["copied"] == c["unchecked_copied"] == c["bytes"] + tails, where  # the pack
         assert c["unchecked_allocations"] == {}, where
+        # the worker's unpacking: views it made in the cold round, nothing copied or allocated
+        assert c["worker_unpack"] == {
+            "copied_bytes": 0, "allocations": 0, "ops": 0, "buckets": buckets
+        }, where  # fmt: skip
 
 
 SPARSE_MODEL = "tests.backends.test_counted_costs:many_parameters"

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from wt_tools.counting import HostSyncs
+from wt_tools.counting import HostSyncs, ProducerCalls
 
 from tests.backends.sharded_rdt.models import (
     EXPERTS,
@@ -542,16 +542,21 @@ def test_a_handshake_that_disagrees_with_the_producers_is_refused(
 
 
 @pytest.mark.parametrize("layers", [100, 800])  # 1,102 and 8,802 tensors
-def test_a_warm_sync_costs_host_syncs_per_group_not_per_tensor(shards: Any, layers: int) -> None:
+def test_a_warm_sync_costs_host_syncs_per_group_and_producer_calls_per_pull(
+    shards: Any, layers: int
+) -> None:
     """One warm sync, trainer and consumer in this process: the host syncs on every
-    thread stay at most 2 per gather group and side, whatever the tensor count."""
+    thread stay at most 2 per gather group and side, whatever the tensor count; the
+    consumer calls its producer (a Ray actor call on the nixl carrier) once per pull
+    and once per pull's frees, a pull spanning many groups; the trainer publishes
+    each group to its producer as it is gathered."""
     s = shards(1, model_cls=functools.partial(ShardedModel, layers=layers))
     source = HeldSource(checkpoint(1, layers))
     trainer = s.trainer(source)
     try:
         trainer.send_weights()  # cold: the recording of the loaders, plans
         source.tensors = checkpoint(2, layers)
-        with HostSyncs() as syncs:
+        with HostSyncs() as syncs, ProducerCalls() as calls:
             trainer.send_weights()
         s.wait_closed()
     finally:
@@ -563,3 +568,10 @@ def test_a_warm_sync_costs_host_syncs_per_group_not_per_tensor(shards: Any, laye
     assert syncs.total <= 2 * 2 * groups, (
         f"{len(source.tensors)} tensors in {groups} groups: {dict(syncs.counts)} host syncs"
     )
+    c = calls.counts
+    where = f"{groups} groups: {dict(c)}"
+    assert c["LoopbackHost.begin_sync"] == c["LoopbackHost.end_sync"] == 1, where
+    assert c["LoopbackHost.publish"] == groups, where
+    pulls = c["LoopbackClient.pull"]
+    assert 1 <= pulls <= groups // 4, where  # spans of groups, not a pull per group
+    assert c["LoopbackClient.free"] == pulls, where  # one free call per landed pull

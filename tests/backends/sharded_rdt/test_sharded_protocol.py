@@ -275,16 +275,16 @@ def test_producer_refuses_misrouted_and_stale_pulls() -> None:
 def test_producer_frees_count_per_sync() -> None:
     p = producer()
     p.begin_sync(1, [0, 1])
-    p.free(2, 0, 0)  # early: belongs to the next sync
+    p.free(2, 0, [0])  # early: belongs to the next sync
     p.publish(0, {"a": torch.zeros(4)})
-    assert p.free(1, 0, 0) and p.wait_freed(0.1) == []
-    assert p.free(1, 1, 0) and p.wait_freed(0.1) == [0]
+    assert p.free(1, 0, [0]) and p.wait_freed(0.1) == []
+    assert p.free(1, 1, [0]) and p.wait_freed(0.1) == [0]
     p.end_sync()
     p.begin_sync(2, [0, 1])
-    assert not p.free(1, 1, 0)  # late: credits nothing
+    assert not p.free(1, 1, [0])  # late: credits nothing
     p.publish(0, {"a": torch.zeros(4)})
     assert p.wait_freed(0.1) == []  # only consumer 0's early free counted
-    p.free(2, 1, 0)
+    p.free(2, 1, [0])
     assert p.wait_freed(0.1) == [0]
 
 

@@ -8,8 +8,10 @@ that read a device value back to the host (`item`, `tolist`, `bool`, `int`,
 `TorchDispatchMode`), by name, including the host reads it sees
 (`aten._local_scalar_dense`, `aten.is_nonzero`), the bytes its copies write
 and the tensors its ops allocate. `WireCalls` counts the messages a process
-puts on a wt wire: group broadcasts and local-link frames. `CountedClient`
-counts the control-plane calls a trainer makes.
+puts on a wt wire: group broadcasts and local-link frames. `ProducerCalls`
+counts the calls between wt_sharded_rdt's consumers and producers (Ray actor
+calls on its nixl carrier). `CountedClient` counts the control-plane calls a
+trainer makes.
 """
 
 from __future__ import annotations
@@ -177,6 +179,21 @@ class WireCalls(_Patching):
 
         self._patch(StatelessGroup, "broadcast", "StatelessGroup.broadcast")
         self._patch(LocalLink, "send", "LocalLink.send")
+        return self
+
+
+class ProducerCalls(_Patching):
+    """The calls between wt_sharded_rdt's consumers and producers while inside, by
+    method: each call of the loopback carrier (`wt_sharded_rdt.transport`) is one Ray
+    actor call on the nixl carrier, which has the same methods."""
+
+    def start(self) -> ProducerCalls:
+        from wt_sharded_rdt.transport import LoopbackClient, LoopbackHost
+
+        for owner in (LoopbackHost, LoopbackClient):
+            for name, function in list(vars(owner).items()):
+                if not name.startswith("_") and callable(function):
+                    self._patch(owner, name, f"{owner.__name__}.{name}")
         return self
 
 

@@ -207,8 +207,9 @@ class RayClient:
         set_target_for_ref(ref, [into])
         return _RayPull(ref, into, f"pull {seq} from {self.name}")
 
-    def free(self, sync_id: int, consumer: int, group: int) -> Pending:
-        return _RayResult(self.actor.free.remote(sync_id, consumer, group), f"free to {self.name}")
+    def free(self, sync_id: int, consumer: int, groups: Sequence[int]) -> Pending:
+        ref = self.actor.free.remote(sync_id, consumer, list(groups))
+        return _RayResult(ref, f"free to {self.name}")
 
     def heartbeat(self, sync_id: int, consumer: int) -> None:
         self.actor.heartbeat.remote(sync_id, consumer)

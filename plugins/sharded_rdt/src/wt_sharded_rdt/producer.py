@@ -16,7 +16,7 @@ and by the consumers:
                                   (`blob_layout`) in the consumer's serve
                                   slot `seq % K` (with `verify`, their digest
                                   rows after them), return that blob
-    free(sync_id, consumer, group)
+    free(sync_id, consumer, groups)
     heartbeat(sync_id, consumer)
     skip(sync_id, consumer)       the consumer's update leaves it out of the sync
     consumer_failed(sync_id, consumer, message)   the consumer's update failed
@@ -236,18 +236,20 @@ class Producer:
                 self._refuse_skip(consumer)
                 self._cond.notify_all()
 
-    def free(self, sync_id: int, consumer: int, group: int) -> bool:
-        """Count `consumer`'s free of `group`; False if it belongs to an older sync."""
+    def free(self, sync_id: int, consumer: int, groups: Sequence[int]) -> bool:
+        """Count `consumer`'s free of each of `groups` (one call for the groups a landed
+        pull completes); False if it belongs to an older sync."""
         with self._cond:
             if sync_id > self._sync:
-                self._early.setdefault(sync_id, []).append((consumer, group))
+                self._early.setdefault(sync_id, []).extend((consumer, g) for g in groups)
                 return True
             if sync_id < self._sync:
                 return False
             self._seen[consumer] = time.monotonic()
-            self._freed_by.setdefault(group, set()).add(consumer)
             self._touch()
-            self._release_if_done(group)
+            for group in groups:
+                self._freed_by.setdefault(group, set()).add(consumer)
+                self._release_if_done(group)
             self._cond.notify_all()
             return True
 

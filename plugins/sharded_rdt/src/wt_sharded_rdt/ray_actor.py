@@ -77,8 +77,8 @@ class ProducerActor:
     def reserve(self, consumer: int, nbytes: int) -> None:
         self.producer.reserve(consumer, nbytes)
 
-    def free(self, sync_id: int, consumer: int, group: int) -> bool:
-        return self.producer.free(sync_id, consumer, group)
+    def free(self, sync_id: int, consumer: int, groups: list[int]) -> bool:
+        return self.producer.free(sync_id, consumer, groups)
 
     def heartbeat(self, sync_id: int, consumer: int) -> None:
         self.producer.heartbeat(sync_id, consumer)

@@ -94,7 +94,7 @@ class ProducerClient(Protocol):
         into: torch.Tensor,
     ) -> Pending: ...
 
-    def free(self, sync_id: int, consumer: int, group: int) -> Pending: ...
+    def free(self, sync_id: int, consumer: int, groups: Sequence[int]) -> Pending: ...
 
     def heartbeat(self, sync_id: int, consumer: int) -> None: ...
 
@@ -219,8 +219,8 @@ class LoopbackClient:
 
         return _FutureResult(self.pool.submit(run))
 
-    def free(self, sync_id: int, consumer: int, group: int) -> Pending:
-        return _Done(self.producer.free(sync_id, consumer, group))
+    def free(self, sync_id: int, consumer: int, groups: Sequence[int]) -> Pending:
+        return _Done(self.producer.free(sync_id, consumer, list(groups)))
 
     def heartbeat(self, sync_id: int, consumer: int) -> None:
         self.producer.heartbeat(sync_id, consumer)

@@ -15,7 +15,8 @@ slots of the largest pull).
 `receive_weights` (one `update_weights` per sync) replays the plan: free the
 groups it needs nothing from, then issue pulls in plan order, at most K in
 flight; when the oldest lands, hand it to the scatter thread and free every
-group whose last pull it was (every owner of the group counts the free). A
+group whose last pull it was, in one call to each owner of those groups
+(every owner of a group counts its free). A
 receive slot is refilled only after the scatter of its previous chunk has
 finished. Scattering writes each slice where the dry run saw it land
 (`SliceLoader.write`), materializing a module before its first slice and
@@ -274,8 +275,8 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
         sync_id: int,
         info: ShardedRDTWorkerInitInfo,
     ) -> None:
-        for group in plan.pre_free:
-            self._free(producers, plan, sync_id, group)
+        if plan.pre_free:
+            self._free(producers, plan, sync_id, plan.pre_free)
         depth = len(self.slots)
         slot_user: list[concurrent.futures.Future[None] | None] = [None] * depth
         in_flight: deque[tuple[Chunk, Pending]] = deque()
@@ -337,8 +338,8 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
         future = self._scatter.submit(self._apply, chunk, self.slots[slot], producer.name)
         slot_user[slot] = future
         self._scatters.append(future)
-        for group in chunk.frees:
-            self._free(producers, plan, sync_id, group)
+        if chunk.frees:
+            self._free(producers, plan, sync_id, chunk.frees)
 
     def _apply(self, chunk: Chunk, buffer: torch.Tensor, producer: str) -> None:
         """Check (verify) and scatter one landed pull; after a failure, write nothing."""
@@ -392,11 +393,16 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
             loader.end_module(module)
 
     def _free(
-        self, producers: list[ProducerClient], plan: ConsumerPlan, sync_id: int, group: int
+        self, producers: list[ProducerClient], plan: ConsumerPlan, sync_id: int, groups: list[int]
     ) -> None:
-        for owner in plan.group_owners[group]:
+        """Free `groups` (those a landed pull completes): one call to each of their owners."""
+        by_owner: dict[int, list[int]] = {}
+        for group in groups:
+            for owner in plan.group_owners[group]:
+                by_owner.setdefault(owner, []).append(group)
+        for owner, owned in by_owner.items():
             producer = producers[owner]
-            self._frees.append((producer.name, producer.free(sync_id, self.consumer_id, group)))
+            self._frees.append((producer.name, producer.free(sync_id, self.consumer_id, owned)))
 
     # -- completion -----------------------------------------------------------------
     def drain_pending(self) -> None:
