@@ -1,11 +1,8 @@
 """The project's worker harness: `weight_transfer.testing.workers`, with cost counting.
 
-`WorkerPool` here serves two more methods in every worker: `count_costs`
-starts counting, on every thread, host syncs (`wt_tools.counting.HostSyncs`)
-and wire messages (`WireCalls`), and the aten ops of the worker's unpacking
-(`AtenOps` around `Unpacker.unpack`, on the thread that receives); `costs`
-stops and returns them as `{"host_syncs": {...}, "wire": {...}, "unpack":
-{"copied_bytes": n, "allocations": n}}`.
+`WorkerPool` here serves two more methods in every worker, `count_costs` and
+`costs` (`wt_tools.costs.worker_counters`): host reads and wire messages on
+every thread, and the aten ops of the worker's unpacking.
 """
 
 from __future__ import annotations
@@ -47,40 +44,9 @@ __all__ = [
 
 
 def cost_handlers(model: Any, session: Any) -> dict[str, Any]:
-    from wt_tools.counting import AtenOps, HostSyncs, WireCalls
+    from wt_tools.costs import worker_counters
 
-    from wt_kits.stream import Unpacker
-
-    counters: list[tuple[HostSyncs, WireCalls, AtenOps, Any]] = []
-    unpacked: list[int] = []
-
-    def count_costs() -> None:
-        ops, unpack = AtenOps(), Unpacker.unpack
-        unpacked.clear()
-
-        def counted_unpack(self: Unpacker, k: int, *args: Any, **kwargs: Any) -> Any:
-            unpacked.append(k)
-            with ops:
-                return unpack(self, k, *args, **kwargs)
-
-        Unpacker.unpack = counted_unpack  # type: ignore[method-assign]
-        counters.append((HostSyncs().start(), WireCalls().start(), ops, unpack))
-
-    def costs() -> dict[str, dict[str, int]]:
-        syncs, wire, ops, unpack = counters.pop()
-        Unpacker.unpack = unpack  # type: ignore[method-assign]
-        return {
-            "host_syncs": dict(syncs.stop().counts),
-            "wire": dict(wire.stop().counts),
-            "unpack": {
-                "copied_bytes": ops.copied_bytes,
-                "allocations": sum(ops.allocations.values()),
-                "ops": ops.total,
-                "buckets": len(unpacked),
-            },
-        }
-
-    return {"count_costs": count_costs, "costs": costs}
+    return worker_counters()
 
 
 def weights(pool: _WorkerPool) -> list[dict[str, str]]:

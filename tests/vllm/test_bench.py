@@ -61,6 +61,10 @@ def test_quick_bench_produces_every_figure(tmp_path: Path) -> None:
             assert m["x_memcpy"] > 0 and m["x_bare_broadcast"] > 0
             assert m["bytes_per_worker"] > 0
             assert m["peak_extra_trainer_bytes"] >= 0 and m["peak_extra_worker_bytes"] >= 0
+        counted = {m["mode"]: m["counts"] for m in s["modes"] if "sparse" not in m["mode"]}
+        c = counted["nccl packed"]  # one warm round, counted: a broadcast per bucket on each side
+        assert c["wire_messages"] == c["worker_wire_messages"] == 2 + c["buckets"], c
+        assert sum(c["control_calls"].values()) == 4 and c["host_reads"] <= c["buckets"], c
         sparse = {m["mode"]: m["bytes_per_worker"] for m in s["modes"] if "sparse" in m["mode"]}
         if sparse:  # 1% of the tensors' elements moves fewer bytes than 10%
             assert sparse["sparse_nccl 1%"] < sparse["sparse_nccl 10%"] < s["bytes"]
@@ -103,5 +107,6 @@ def test_quick_bench_produces_every_figure(tmp_path: Path) -> None:
     summary = (out / "bench.md").read_text()
     assert "## Targets" in summary and "## Cost model" in summary
     assert "## Verified bytes: the digest alone" in summary
+    assert "## Counted costs of one warm round" in summary
     for png in ("time_vs_size.png", "time_vs_params.png", "scenario_0.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

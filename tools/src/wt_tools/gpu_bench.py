@@ -9,11 +9,14 @@ MoE-like one of 30,000 tensors), medians of `--repeats` after a warm-up:
 - packing: the trainer's packing of every tensor into device buckets
   (core's `Packer` over `checked_iteration`, as wt_nccl and wt_ipc do);
 - wt_ipc: the trainer (this process) into a worker process on the same GPU
-  through CUDA IPC (plain target, copies in place), and the host syncs of one
-  warm round in this process (host reads on every thread, and the CUDA calls
-  torch's sync debug mode reports);
+  through CUDA IPC (plain target, copies in place);
 - wt_nccl: only with two GPUs (an NCCL group cannot hold two ranks of one
   device): the worker process on the second;
+- for each of them, one more warm round counted as the CPU bench counts it
+  (`wt_tools.costs`: control calls, wire messages, host reads on every
+  thread, the trainer thread's aten ops, bytes copied and allocations, the
+  worker's unpacking), plus the synchronizing CUDA calls torch's sync debug
+  mode reports in this process;
 - the digest of verified bytes (`wt_tools.digest_bench`) against a
   device-to-device copy of the same bucket.
 
@@ -51,6 +54,7 @@ def _layout_case(name: str, layout: Any, repeats: int) -> dict[str, Any]:
     from weight_transfer.backend import checked_iteration
     from weight_transfer.factory import WeightTransferTrainerFactory
     from wt_kits.stream import Packer, RotatingBuffers, WireParams
+    from wt_tools.counting import CountedClient
     from wt_tools.scenarios import TensorSource, _random_tensors
     from wt_tools.workers import WorkerProcesses, checksum
 
@@ -83,13 +87,12 @@ def _layout_case(name: str, layout: Any, repeats: int) -> dict[str, Any]:
     from wt_ipc import IPCTrainerInitInfo
 
     with WorkerProcesses(layout, 1, device="cuda:0") as workers:
+        client = CountedClient(workers.client("ipc"))
         trainer: Any = WeightTransferTrainerFactory.trainer_init(
-            IPCTrainerInitInfo(rank=0, device="cuda:0"),
-            client=workers.client("ipc"),
-            source=source,
+            IPCTrainerInitInfo(rank=0, device="cuda:0"), client=client, source=source
         )
         row["ipc_s"] = _median(trainer.send_weights, repeats)
-        row.update(_host_syncs(trainer.send_weights, "ipc"))
+        row["ipc_counts"] = _counted(trainer, client, workers, len(plan.buckets))
         if workers.call("checksum")[0] != checksum(flat):
             raise RuntimeError(f"{name}: wt_ipc delivered different bytes")
         trainer.shutdown()
@@ -98,12 +101,14 @@ def _layout_case(name: str, layout: Any, repeats: int) -> dict[str, Any]:
         from wt_nccl import NCCLTrainerInitInfo
 
         with WorkerProcesses(layout, 1, device="cuda:1") as workers:
+            client = CountedClient(workers.client("nccl"))
             trainer = WeightTransferTrainerFactory.trainer_init(
                 NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, rank=0, device="cuda:0"),
-                client=workers.client("nccl"),
+                client=client,
                 source=source,
             )
             row["nccl_s"] = _median(trainer.send_weights, repeats)
+            row["nccl_counts"] = _counted(trainer, client, workers, len(plan.buckets))
             trainer.shutdown()
     for key in ("pack_s", "ipc_s", "nccl_s"):
         if key in row:
@@ -111,24 +116,24 @@ def _layout_case(name: str, layout: Any, repeats: int) -> dict[str, Any]:
     return row
 
 
-def _host_syncs(send: Callable[[], None], name: str) -> dict[str, int]:
-    """One warm round's host syncs in this process (the trainer's): the host reads
-    `wt_tools.counting.HostSyncs` counts on every thread, and the synchronizing CUDA
-    calls torch itself reports (`torch.cuda.set_sync_debug_mode("warn")`)."""
+def _counted(trainer: Any, client: Any, workers: Any, buckets: int) -> dict[str, Any]:
+    """One more warm round, counted (`wt_tools.costs`) on the trainer and in the
+    worker, with the synchronizing CUDA calls torch itself reports in this process
+    (`torch.cuda.set_sync_debug_mode("warn")`)."""
     import warnings
 
-    from wt_tools.counting import HostSyncs
+    from wt_tools.costs import count_round
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            with HostSyncs() as syncs:
-                send()
+            counts = count_round(trainer.send_weights, client, workers)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    cuda_syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return {f"{name}_host_reads": syncs.total, f"{name}_cuda_syncs": cuda_syncs}
+    counts["buckets"] = buckets
+    counts["cuda_syncs"] = sum("synchroniz" in str(w.message) for w in caught)
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:

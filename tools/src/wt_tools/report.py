@@ -16,7 +16,15 @@ from typing import Any
 
 from wt_tools.goals import GOALS, format_value
 
-__all__ = ["targets", "markdown", "plots", "load", "cluster_table", "digest_table"]
+__all__ = [
+    "targets",
+    "markdown",
+    "plots",
+    "load",
+    "cluster_table",
+    "counts_table",
+    "digest_table",
+]
 
 
 def load(path: str) -> dict[str, Any] | None:
@@ -161,6 +169,34 @@ def cluster_table(predictions: list[dict[str, Any]], calibration: dict[str, floa
     return "\n".join(lines)
 
 
+def counts_table(scenarios: list[dict[str, Any]]) -> list[str]:
+    """Each mode's counted warm round (`wt_tools.costs`) as Markdown lines."""
+    lines = [
+        "",
+        "## Counted costs of one warm round (`wt_tools.costs`)",
+        "",
+        "| scenario | mode | buckets | control calls | wire messages (trainer / worker) | "
+        "host reads (trainer / worker) | trainer aten ops | bytes copied / sent | "
+        "allocations | worker unpack: ops, bytes copied, allocations |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in scenarios:
+        for m in s["modes"]:
+            c = m.get("counts")
+            if not c:
+                continue
+            u = c["worker_unpack"]
+            buckets = "" if c["buckets"] is None else c["buckets"]
+            lines.append(
+                f"| {s['scenario']} | {m['mode']} | {buckets}"
+                f" | {sum(c['control_calls'].values())} | {c['wire_messages']} / "
+                f"{c['worker_wire_messages']} | {c['host_reads']} / {c['worker_host_reads']} | "
+                f"{c['aten_ops']} | {c['copied_bytes'] / max(1, m['bytes_per_worker']):.3f} | "
+                f"{c['allocations']} | {u['ops']}, {u['copied_bytes']}, {u['allocations']} |"
+            )
+    return lines
+
+
 def digest_table(digest: dict[str, Any]) -> list[str]:
     """The digest's cost (`wt_tools.digest_bench.measure`) as Markdown table lines."""
     out = [
@@ -207,6 +243,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| | trainer overhead per parameter | {ref['trainer_overhead_per_param_us']:.1f} us "
             f"({s['params']} params) | | | | | |"
         )
+    out += counts_table(results["scenarios"])
     digest = results.get("digest")
     if digest:
         out += ["", "## Verified bytes: the digest alone (`wt_tools.digest_bench`)", ""]

@@ -17,7 +17,11 @@ In one run, interleaved round by round, each scenario times:
   checks) and packing the buckets, no wire, minus a memcpy of the same bytes,
   divided by the number of parameters;
 - peak extra resident memory of the trainer (this process) and of the
-  workers while the mode's syncs ran, against its configured staging.
+  workers while the mode's syncs ran, against its configured staging;
+- each full-resync mode's counted costs: one more warm round after the
+  timed ones, counted on the trainer and in the first worker
+  (`wt_tools.costs`: control calls, wire messages, host reads, the trainer
+  thread's aten ops, bytes copied and allocations, the worker's unpacking).
 
 After each full-resync mode's rounds the workers' checksums must equal the
 trainer's tensors. Figures are medians; every wt figure is also reported as
@@ -39,6 +43,8 @@ import torch
 from weight_transfer import WeightSource
 from weight_transfer.testing.models import TensorSource
 from wt_kits.stream import PlanCache, RotatingBuffers, WireParams
+from wt_tools.costs import count_round
+from wt_tools.counting import CountedClient
 from wt_tools.workers import LayoutEntry, WorkerProcesses, checksum, peak_rss_bytes, reset_peak_rss
 
 __all__ = ["Scenario", "dense_layout", "moe_layout", "run_scenario", "scenarios_for"]
@@ -183,8 +189,10 @@ def _trainer_dry_pass(source: WeightSource, buffers: Any, plans: Any) -> None:
     packer.exhaust()
 
 
-def _connect(mode: str, workers: WorkerProcesses, n: int, source: WeightSource) -> tuple[Any, int]:
-    """The trainer engine of `mode` and its configured staging bytes."""
+def _connect(
+    mode: str, workers: WorkerProcesses, n: int, source: WeightSource
+) -> tuple[Any, int, CountedClient]:
+    """The trainer engine of `mode`, its configured staging bytes and its counted client."""
     from weight_transfer.factory import WeightTransferTrainerFactory
     from wt_kits.group.stateless import free_port
     from wt_kits.stream import WireParams
@@ -219,12 +227,20 @@ def _connect(mode: str, workers: WorkerProcesses, n: int, source: WeightSource) 
             rank=0, num_consumers=n, transport="nixl", producer_prefix=f"wt-bench-{free_port()}"
         )
         backend = "sharded_rdt"
+    client = CountedClient(workers.client(backend, mode))
     trainer: Any = WeightTransferTrainerFactory.trainer_init(
-        info,
-        client=workers.client(backend, mode),
-        source=None if backend == "sparse_nccl" else source,
+        info, client=client, source=None if backend == "sparse_nccl" else source
     )
-    return trainer, staging
+    return trainer, staging, client
+
+
+def _counted_round(mode: _Mode, workers: WorkerProcesses, source: WeightSource) -> dict[str, Any]:
+    """One more warm round of `mode`, counted on the trainer and in the first worker
+    (`wt_tools.costs`), with the bucket count of its plan where it has one."""
+    counts = count_round(mode.trainer.send_weights, mode.client, workers)
+    plan_for = getattr(mode.trainer, "plan_for", None)
+    counts["buckets"] = len(plan_for(source.metadata()).buckets) if plan_for else None
+    return counts
 
 
 class _BareBroadcast:
@@ -267,7 +283,9 @@ class _Mode:
     name: str
     trainer: Any
     staging: int
+    client: CountedClient
     times: list[float] = field(default_factory=list)
+    counts: dict[str, Any] | None = None
     bytes_per_worker: int = 0
     peak_trainer: int = 0
     peak_worker: int = 0
@@ -304,8 +322,8 @@ def run_scenario(sc: Scenario, log: Callable[[str], None] = print) -> dict[str, 
     with WorkerProcesses(sc.layout, sc.workers) as workers:
         modes: list[_Mode] = []
         for name in sc.modes:
-            trainer, staging = _connect(name, workers, sc.workers, source)
-            modes.append(_Mode(name, trainer, staging))
+            trainer, staging, client = _connect(name, workers, sc.workers, source)
+            modes.append(_Mode(name, trainer, staging, client))
         memcpy()
         bare = _BareBroadcast(workers, nbytes)
         for r in range(sc.repeats + 1):  # round 0 warms up every path
@@ -341,6 +359,8 @@ def run_scenario(sc: Scenario, log: Callable[[str], None] = print) -> dict[str, 
                         raise RuntimeError(f"{sc.name}: {mode.name} delivered different bytes")
             log(f"  round {r}/{sc.repeats} done")
         for mode in modes:
+            if not mode.name.startswith("sparse"):
+                mode.counts = _counted_round(mode, workers, source)
             mode.trainer.shutdown()
         bare.close()
     ref = {k: statistics.median(v[1:]) for k, v in refs.items()}
@@ -366,6 +386,7 @@ def run_scenario(sc: Scenario, log: Callable[[str], None] = print) -> dict[str, 
                 "peak_extra_trainer_bytes": mode.peak_trainer,
                 "peak_extra_worker_bytes": mode.peak_worker,
                 "staging_bytes": mode.staging,
+                **({"counts": mode.counts} if mode.counts else {}),
             }
         )
     medians = {mode.name: statistics.median(mode.times) for mode in modes}

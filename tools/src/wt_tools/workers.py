@@ -12,7 +12,8 @@ what is timed is the transport. `client(backend)` is a
 (bounded); `call(method, ...)` reaches the other services: a bare gloo
 group (`bare_join`, then `bare_broadcast` of the joined size, the
 transport's ceiling, then `bare_leave`), a checksum of the model, the peak
-resident memory. Processes are stopped by PID on `close()`.
+resident memory, a round's counted costs (`count_costs`, `costs`:
+`wt_tools.costs.worker_counters`). Processes are stopped by PID on `close()`.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def _serve(
     from weight_transfer.backend import DirectLoader
     from weight_transfer.loading import register_loader_provider
     from wt_kits.group import StatelessGroup
+    from wt_tools.costs import worker_counters
 
     model = build_target(layout, device)
     register_loader_provider(lambda m, _: DirectLoader(m, undo=False) if m is model else None)
@@ -134,6 +136,7 @@ def _serve(
         "bare_join": bare_join,
         "bare_broadcast": bare_broadcast,
         "bare_leave": lambda: bare.pop("group").close(),
+        **worker_counters(),
     }
     with Listener(("127.0.0.1", 0), authkey=AUTHKEY) as listener:
         ready.put(listener.address)
