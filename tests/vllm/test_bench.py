@@ -93,6 +93,7 @@ def test_quick_bench_produces_every_figure(tmp_path: Path) -> None:
     assert synced["ipc.packed"]["tokens_equal_fresh"] is True
     assert synced["nccl.packed_disjoint"]["cores"] == "disjoint"
     assert all(r["median_s"] > 0 for r in moe["rows"])
+    assert synced["ipc.packed_disjoint"]["phases_s"]["load"] > 0  # where a wt round's time went
     assert "fused-MoE layers" in moe["sharded_rdt_refused"]
     assert "## Live MoE" in (out / "bench.md").read_text()
     [lora] = results["lora"]["rows"]  # a rank-16 adapter: only its bytes move, exact

@@ -215,16 +215,10 @@ class LiveBench:
             for r in range(self.repeats):
                 for row in block:
                     run = self.prepare(row, r % 2)
-                    llm = self.llms[row.backend]
-                    before = llm.collective_rpc(_phase_totals)[0]
-                    with PhaseClock() as clock:  # the trainer's phases, in this process
-                        t0 = time.perf_counter()
-                        run()
-                        self.times.setdefault(row.id, []).append(time.perf_counter() - t0)
-                    if row.kind == "sync":  # and the engine's, in its own
-                        after = llm.collective_rpc(_phase_totals)[0]
-                        seconds = {p: clock.seconds[p] + after[p] - before[p] for p in PHASES}
-                        self.phases.setdefault(row.id, []).append(seconds)
+                    seconds, phases = timed_round(run, self.llms[row.backend], row.kind == "sync")
+                    self.times.setdefault(row.id, []).append(seconds)
+                    if phases is not None:
+                        self.phases.setdefault(row.id, []).append(phases)
         if self.pinning is not None:
             self.pinning.apply("shared")
 
@@ -271,7 +265,7 @@ class LiveBench:
                             else None
                         ),
                         "undo": undo[row.backend] if synced else None,
-                        "phases_s": _median_phases(self.phases[row.id]) if synced else None,
+                        "phases_s": median_phases(self.phases[row.id]) if synced else None,
                     }
                 )
         return rows
@@ -643,6 +637,27 @@ def reload_staged(worker: Any, i: int) -> None:
     worker.model_runner.reload_weights(weights_iterator=iter(worker._wt_bench_targets[i]))
 
 
+def timed_round(
+    run: Callable[[], None], llm: Any, sync: bool
+) -> tuple[float, dict[str, float] | None]:
+    """The seconds `run()` took and, for a wt round (`sync`), its phases: the
+    trainer's in this process plus the engine's in `llm`'s own."""
+    before = llm.collective_rpc(_phase_totals)[0] if sync else None
+    with PhaseClock() as clock:
+        t0 = time.perf_counter()
+        run()
+        seconds = time.perf_counter() - t0
+    if before is None:
+        return seconds, None
+    after = llm.collective_rpc(_phase_totals)[0]
+    return seconds, {p: clock.seconds[p] + after[p] - before[p] for p in PHASES}
+
+
+def median_phases(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Per phase, the median of its seconds over `rounds`."""
+    return {p: statistics.median(r.get(p, 0.0) for r in rounds) for p in PHASES}
+
+
 def _phase_totals(worker: Any) -> dict[str, float]:
     from weight_transfer.runtime import phases
 
@@ -666,11 +681,6 @@ def _greedy(llm: Any) -> list[int]:
 
 def _pulled_bytes(worker: Any) -> int:
     return int(worker.weight_transfer_engine.pulled_bytes)
-
-
-def _median_phases(rounds: list[dict[str, float]]) -> dict[str, float]:
-    """Per phase, the median of its seconds over `rounds`."""
-    return {p: statistics.median(r.get(p, 0.0) for r in rounds) for p in PHASES}
 
 
 def _undo_cost(worker: Any) -> dict[str, Any] | None:

@@ -14,7 +14,8 @@ interleaved over `repeats` rounds of alternating weights:
 
 Each pair twice: trainer and engines on every core (`shared`), and on
 disjoint cores as deployments run (`wt_tools.pinning`), where this host has
-at least two.
+at least two. A wt row records where its time went (`phases_s`: the trainer's
+phases plus the engine's, `live_bench.timed_round`).
 
 wt_sharded_rdt refuses such a model at `trainer_init` (a recorded slice replay
 cannot redo the prepack); its row holds the refusal. After the last round each
@@ -29,7 +30,6 @@ from __future__ import annotations
 import functools
 import os
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -100,7 +100,7 @@ def _measure(repeats: int, work: str, spec: TinyMoESpec) -> dict[str, Any]:
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
-    from wt_tools.live_bench import engines_pinning, reload_staged
+    from wt_tools.live_bench import engines_pinning, median_phases, reload_staged, timed_round
     from wt_tools.scenarios import TensorSource
 
     served = build_tiny_moe(os.path.join(work, "moe-served"), seed=0, spec=spec)
@@ -137,6 +137,7 @@ def _measure(repeats: int, work: str, spec: TinyMoESpec) -> dict[str, Any]:
 
     placements: tuple[Cores, ...] = ("shared", "disjoint") if pinning else ("shared",)
     times: dict[tuple[str, Cores, str], list[float]] = {}
+    phases: dict[tuple[str, Cores], list[dict[str, float]]] = {}
     for cores in placements:
         if pinning is not None:
             pinning.apply(cores)
@@ -147,11 +148,10 @@ def _measure(repeats: int, work: str, spec: TinyMoESpec) -> dict[str, Any]:
             for r in range(repeats):
                 for kind, prepare in rows.items():
                     run = prepare(engine, r % 2)
-                    t0 = time.perf_counter()
-                    run()
-                    times.setdefault((engine.backend, cores, kind), []).append(
-                        time.perf_counter() - t0
-                    )
+                    seconds, split = timed_round(run, engine.llm, kind == "packed")
+                    times.setdefault((engine.backend, cores, kind), []).append(seconds)
+                    if split is not None:
+                        phases.setdefault((engine.backend, cores), []).append(split)
     if pinning is not None:
         pinning.apply("shared")
     last = (repeats - 1) % 2
@@ -186,6 +186,9 @@ def _measure(repeats: int, work: str, spec: TinyMoESpec) -> dict[str, Any]:
                         "times_s": times[(b, cores, kind)],
                         "ratio_to_floor": med / base,
                         "tokens_equal_fresh": exact[b] if kind == "packed" else None,
+                        "phases_s": (
+                            median_phases(phases[(b, cores)]) if kind == "packed" else None
+                        ),
                     }
                 )
     if not all(exact.values()):

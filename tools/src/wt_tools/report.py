@@ -318,13 +318,22 @@ def markdown(results: dict[str, Any]) -> str:
             f"## Live MoE ({moe['tensors']} tensors, {moe['experts']} experts a layer, "
             f"{moe['bytes'] / 1e6:.0f} MB, engines in processes of their own)",
             "",
-            "| path | s | x its floor | tokens = a fresh engine's |",
-            "| --- | --- | --- | --- |",
+            "| path | s | x its floor | tokens = a fresh engine's | check + pack s | wire s "
+            "| load s (share) |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in moe["rows"]:
             same = {True: "yes", False: "no", None: ""}[r["tokens_equal_fresh"]]
+            split = r.get("phases_s")
+            where = (
+                f"{split['check'] + split['pack']:.3f} | {split['wire']:.3f} | "
+                f"{split['load']:.3f} ({split['load'] / r['median_s']:.0%})"
+                if split
+                else " | "
+            )
             out.append(
-                f"| {r['method']} | {r['median_s']:.3f} | {r['ratio_to_floor']:.2f} | {same} |"
+                f"| {r['method']} | {r['median_s']:.3f} | {r['ratio_to_floor']:.2f} | {same} | "
+                f"{where} |"
             )
         out += ["", f"wt_sharded_rdt: refused at init: `{moe['sharded_rdt_refused']}`"]
     out += ["", "## Targets", "", "| goal | measured | target | met |", "| --- | --- | --- | --- |"]
