@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -100,7 +101,23 @@ def scenarios(s: Settings) -> list[dict[str, Any]]:
             f"[{i}/{len(chosen)}] {sc.name}: {sc.nbytes / 2**20:.0f} MiB, {len(sc.layout)} tensors"
         )
         out.append(run_scenario(sc, log=lambda m: print(m, flush=True)))
+    _give_back_memory()
     return out
+
+
+def _give_back_memory() -> None:
+    """Return the heap the scenarios freed to the system (glibc keeps it otherwise), so
+    the live engines started after them find it; prints this process's resident size."""
+    import ctypes
+    import gc
+
+    from wt_tools.workers import rss_bytes
+
+    before = rss_bytes()
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    print(f"bench process: {before / 2**30:.2f} GiB resident, {rss_bytes() / 2**30:.2f} GiB after")
 
 
 def live(s: Settings) -> dict[str, Any]:

@@ -53,6 +53,11 @@ def _status_kib(field: str) -> int:
     return 0
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now."""
+    return _status_kib("VmRSS") * 1024
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory since the last `reset_peak_rss`."""
     return _status_kib("VmHWM") * 1024
