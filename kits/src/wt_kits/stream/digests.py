@@ -38,7 +38,7 @@ What it detects, for pieces under 2**41 blocks:
   their bits: a flipped sign bit is a change of 128 like any other. Three or
   more bytes can cancel: a change of `k` bytes of one block drawn at random
   does so with probability about `1 / (2 pi s_0 s_1)`, `s_c**2 = sum(d_k**2
-  * M[k, c]**2)`: about 2**-17 for +-1 on four bytes, 2**-34 for four bytes
+  * M[k, c]**2)`: about 2**-17 for +-1 on four bytes, 2**-31 for four bytes
   drawn at random. This is the price of reading the bytes once.
 - **Across blocks**, changed sums are changed words, by `d` with `v(d) <= 52`
   (`v(n)`: the number of factors 2 in `n`; each sum changes by less than
