@@ -404,6 +404,8 @@ def test_the_digests_do_not_depend_on_the_window_size(monkeypatch: pytest.Monkey
     want_big = digest(big).tolist()
     monkeypatch.setattr(digest_module, "WINDOW_WORDS", 1 << 10)  # more chunks and windows
     assert [BucketDigests(plan).of(k, b).tolist() for k, b in enumerate(buckets)] == want
+    monkeypatch.setattr(digest_module, "KEPT_SUM_BLOCKS", 4)  # every bucket's sums its own
+    assert [BucketDigests(plan).of(k, b).tolist() for k, b in enumerate(buckets)] == want
     assert digest(big).tolist() == want_big
 
 

@@ -124,6 +124,7 @@ SUMS = 2  # sums per block, together one 64-bit word of stage 2
 WINDOW_WORDS = 1 << 16  # stage 2's words per torch call on CPU (int64 rows of 512 KiB: in L2)
 DEVICE_WINDOW_WORDS = 1 << 21  # on an accelerator, where every call is a kernel launch
 EXACT_ROWS = 1 << 16  # blocks per float64 product off the CPU (32 MiB of float64)
+KEPT_SUM_BLOCKS = 1 << 20  # block sums kept between buckets (8 MiB: buckets up to 64 MiB)
 
 KA = 0x9E3779B97F4A7C15  # lane A's position base (odd, 5 mod 8)
 KB = 0x94D049BB133111EB  # lane B's position base (odd, 3 mod 8)
@@ -307,7 +308,11 @@ class _Scratch(threading.local):
         return self.by_key[device, n]
 
     def sums(self, device: torch.device, blocks: int) -> torch.Tensor:
-        """`int32[blocks, SUMS]`: room for a bucket's block sums."""
+        """`int32[blocks, SUMS]`: room for a bucket's block sums, kept for the next
+        bucket up to `KEPT_SUM_BLOCKS` blocks (a larger one, such as a one-tensor
+        bucket of a large embedding, gets room of its own, freed after it)."""
+        if blocks > KEPT_SUM_BLOCKS:
+            return torch.empty(blocks, SUMS, dtype=torch.int32, device=device)
         have = self.block_sums.get(device)
         if have is None or have.shape[0] < blocks:
             have = self.block_sums[device] = torch.empty(
