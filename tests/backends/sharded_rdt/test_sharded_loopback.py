@@ -541,18 +541,20 @@ def test_a_handshake_that_disagrees_with_the_producers_is_refused(
         trainer.shutdown()
 
 
-@pytest.mark.parametrize("layers", [100, 800])  # 1,102 and 8,802 tensors
-def test_a_warm_sync_costs_host_syncs_per_group_and_producer_calls_per_pull(
-    shards: Any, layers: int
+@pytest.mark.parametrize(
+    ("layers", "lookahead"), [(100, None), (800, None), (100, 7)]
+)  # 1,102 and 8,802 tensors; spans of 4 groups
+def test_a_warm_sync_costs_host_syncs_per_group_and_producer_calls_per_span(
+    shards: Any, layers: int, lookahead: int | None
 ) -> None:
     """One warm sync, trainer and consumer in this process: the host syncs on every
     thread stay at most 2 per gather group and side, whatever the tensor count; the
-    consumer calls its producer (a Ray actor call on the nixl carrier) once per pull
-    and once per pull's frees, a pull spanning many groups; the trainer publishes
-    each group to its producer as it is gathered."""
+    trainer publishes to its producer (a Ray actor call on the nixl carrier) once per
+    span of groups, and the consumer pulls once per span and frees once per pull. Left
+    to the staging budget, a small model is one span: one publish, one pull."""
     s = shards(1, model_cls=functools.partial(ShardedModel, layers=layers))
     source = HeldSource(checkpoint(1, layers))
-    trainer = s.trainer(source)
+    trainer = s.trainer(source, gather_lookahead=lookahead)
     try:
         trainer.send_weights()  # cold: the recording of the loaders, plans
         source.tensors = checkpoint(2, layers)
@@ -569,9 +571,11 @@ def test_a_warm_sync_costs_host_syncs_per_group_and_producer_calls_per_pull(
         f"{len(source.tensors)} tensors in {groups} groups: {dict(syncs.counts)} host syncs"
     )
     c = calls.counts
-    where = f"{groups} groups: {dict(c)}"
+    where = f"{groups} groups, spans of {trainer.span}: {dict(c)}"
     assert c["LoopbackHost.begin_sync"] == c["LoopbackHost.end_sync"] == 1, where
-    assert c["LoopbackHost.publish"] == groups, where
+    spans = -(-groups // trainer.span)
+    assert spans == (1 if lookahead is None else -(-groups // 4)), where
+    assert c["LoopbackHost.publish"] == spans, where
     pulls = c["LoopbackClient.pull"]
-    assert 1 <= pulls <= groups // 4, where  # spans of groups, not a pull per group
+    assert pulls == spans, where  # one pull per span: its slices fit one pull
     assert c["LoopbackClient.free"] == pulls, where  # one free call per landed pull

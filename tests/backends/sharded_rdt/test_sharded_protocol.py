@@ -236,7 +236,8 @@ def test_the_trainer_keeps_about_its_staging_budget_published() -> None:
     from wt_sharded_rdt.protocol import MAX_LOOKAHEAD, auto_lookahead, pull_span
 
     assert auto_lookahead([64 << 20] * 16, budget=512 << 20) == 7
-    assert auto_lookahead([2 << 20] * 150, budget=512 << 20) == MAX_LOOKAHEAD
+    assert auto_lookahead([2 << 20] * 150, budget=512 << 20) == 255  # memory bounds it
+    assert auto_lookahead([8] * 150, budget=512 << 20) == MAX_LOOKAHEAD
     assert auto_lookahead([2 << 30], budget=512 << 20) == 1  # a layer over the budget
     assert auto_lookahead([]) == 1
     assert [pull_span(n) for n in (0, 1, 2, 7, 64)] == [1, 1, 1, 4, 32]
@@ -265,7 +266,7 @@ def test_producer_refuses_misrouted_and_stale_pulls() -> None:
         p.serve(1, 0, 0, [("a", ())], [("float32", 4)])
     with pytest.raises(ValueError, match="'seq'"):
         p.serve(2, 0, -1, [("a", ())], [("float32", 4)])
-    p.publish(0, {"a": torch.arange(4, dtype=torch.float32)})
+    p.publish({0: {"a": torch.arange(4, dtype=torch.float32)}})
     with pytest.raises(ProducerError, match=r"'a'.*expects float32 x 3"):
         p.serve(2, 0, 0, [("a", ())], [("float32", 3)])
     blob = p.serve(2, 0, 0, [("a", (("narrow", (0, 1, 2), ()),))], [("float32", 2)])
@@ -276,13 +277,13 @@ def test_producer_frees_count_per_sync() -> None:
     p = producer()
     p.begin_sync(1, [0, 1])
     p.free(2, 0, [0])  # early: belongs to the next sync
-    p.publish(0, {"a": torch.zeros(4)})
+    p.publish({0: {"a": torch.zeros(4)}})
     assert p.free(1, 0, [0]) and p.wait_freed(0.1) == []
     assert p.free(1, 1, [0]) and p.wait_freed(0.1) == [0]
     p.end_sync()
     p.begin_sync(2, [0, 1])
     assert not p.free(1, 1, [0])  # late: credits nothing
-    p.publish(0, {"a": torch.zeros(4)})
+    p.publish({0: {"a": torch.zeros(4)}})
     assert p.wait_freed(0.1) == []  # only consumer 0's early free counted
     p.free(2, 1, [0])
     assert p.wait_freed(0.1) == [0]
@@ -314,7 +315,7 @@ def test_a_verified_blob_carries_the_digest_of_each_slice() -> None:
     p = producer(verify=True)
     p.begin_sync(1, [0])
     a = torch.arange(10, dtype=torch.float32) * 1.5
-    p.publish(0, {"a": a})
+    p.publish({0: {"a": a}})
     keys = [("a", (("narrow", (0, 1, 3), ()),)), ("a", ())]
     blob = p.serve(1, 0, 0, keys, [("float32", 3), ("float32", 10)])
     layout = blob_layout([12, 40], verify=True)
@@ -334,14 +335,14 @@ def test_producer_errors_fail_the_sync_they_name() -> None:
     p.set_error("a late error of sync 0", 0)
     p.skip(1, 5)  # not live in sync 1: nothing wrong
     assert p.wait_freed(0.05) == []
-    p.publish(0, {"a": torch.zeros(4)})
+    p.publish({0: {"a": torch.zeros(4)}})
     p.begin_sync(2, [0, 1])
     with pytest.raises(ProducerError, match="consumer 1 refused sync 2"):
-        p.publish(0, {"a": torch.zeros(4)})
+        p.publish({0: {"a": torch.zeros(4)}})
     p.begin_sync(3, [0, 1])
     p.skip(3, 1)
     with pytest.raises(ProducerError, match=r"consumer 1 skipped.*'live_consumers'"):
-        p.publish(0, {"a": torch.zeros(4)})
+        p.publish({0: {"a": torch.zeros(4)}})
 
 
 @pytest.mark.parametrize(

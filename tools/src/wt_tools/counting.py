@@ -185,7 +185,8 @@ class WireCalls(_Patching):
 class ProducerCalls(_Patching):
     """The calls between wt_sharded_rdt's consumers and producers while inside, by
     method: each call of the loopback carrier (`wt_sharded_rdt.transport`) is one Ray
-    actor call on the nixl carrier, which has the same methods."""
+    actor call on the nixl carrier, which has the same methods, but `stage` (local:
+    it copies into shared staging, and `publish` carries what it staged)."""
 
     def start(self) -> ProducerCalls:
         from wt_sharded_rdt.transport import LoopbackClient, LoopbackHost

@@ -68,12 +68,12 @@ def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
-def aligned_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Offsets of pieces of `sizes` bytes laid out in order, each `ALIGNMENT`-aligned,
-    and the bytes the layout spans. Empty pieces take no room. Both ends of a
-    wire derive a layout with this, so it is never sent."""
+def aligned_layout(sizes: Sequence[int], start: int = 0) -> tuple[list[int], int]:
+    """Offsets of pieces of `sizes` bytes laid out in order from byte `start`, each
+    `ALIGNMENT`-aligned, and where the layout ends. Empty pieces take no room. Both
+    ends of a wire derive a layout with this, so it is never sent."""
     offsets: list[int] = []
-    cursor = 0
+    cursor = start
     for size in sizes:
         if size < 0:
             raise ValueError(f"a piece of {size} bytes")

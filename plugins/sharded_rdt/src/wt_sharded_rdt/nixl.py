@@ -2,8 +2,8 @@
 moves over NIXL (see `wt_sharded_rdt.transport` for the interface).
 
 `RayHost` (the trainer rank's side) starts the actor (`ray_actor.RDTProducer`)
-and hands it each group through shared memory; `RayClient` (a consumer's side)
-reaches it by name. Ray is imported when they are used.
+and hands it each span of groups through shared memory, one call a span;
+`RayClient` (a consumer's side) reaches it by name. Ray is imported when they are used.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from wt_sharded_rdt.transport import (
     ALIVE_TIMEOUT_S,
     CONTROL_TIMEOUT_S,
     Pending,
+    StagedTensor,
     check_blob_size,
 )
 
@@ -39,7 +40,13 @@ def _ray_get(ref: Any, timeout_s: float, what: str) -> Any:
 
 
 class RayHost:
-    """This rank's producer as a Ray actor, fed through shared-memory staging."""
+    """This rank's producer as a Ray actor, fed through shared-memory staging.
+
+    Staged groups are copied into the open slot one after another
+    (`aligned_layout`); `publish` hands the slot's groups to the actor in one
+    call, and a slot is free again once every group in it is freed. Where each
+    group's tensors sit in a slot is the same every sync, so the views it is
+    copied through are built once (here and in the actor) and reused."""
 
     def __init__(
         self,
@@ -87,42 +94,74 @@ class RayHost:
             raise
         for segment in self.segments:
             segment.unlink()  # mapped on both sides: nothing stays in /dev/shm
-        self.free_slots = list(range(staging_slots))
+        # (slot, group, start) -> the staging views of the group's tensors
+        self.views: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        self.begin_sync_state()
+
+    def begin_sync_state(self) -> None:
+        self.free_slots = list(range(len(self.segments)))
+        self.open: int | None = None  # the slot being staged into
+        self.cursor = 0  # where the next staged group starts in it
+        self.staged: list[tuple[int, int, list[StagedTensor] | None]] = []
         self.slot_of: dict[int, int] = {}
+        self.unfreed: dict[int, set[int]] = {}  # slot -> its published groups not yet freed
 
     def describe(self) -> dict[str, Any]:
         return dict(_ray_get(self.actor.describe.remote(), CONTROL_TIMEOUT_S, self.name))
 
     def begin_sync(self, sync_id: int, live: Sequence[int]) -> None:
-        self.free_slots = list(range(len(self.segments)))
-        self.slot_of = {}
+        self.begin_sync_state()
         _ray_get(self.actor.begin_sync.remote(sync_id, list(live)), CONTROL_TIMEOUT_S, self.name)
 
-    def publish(self, group: int, tensors: dict[str, torch.Tensor]) -> None:
-        if not self.free_slots:
-            raise RuntimeError(f"{self.name}: no free staging slot (gather credits out of step)")
-        slot = self.free_slots.pop(0)
+    def stage(self, group: int, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        if self.open is None:
+            if not self.free_slots:
+                raise RuntimeError(f"{self.name}: no free staging slot (spans out of step)")
+            self.open, self.cursor = self.free_slots.pop(0), 0
+        slot, start = self.open, self.cursor
+        sizes = [t.numel() * t.element_size() for t in tensors.values()]
+        offsets, self.cursor = aligned_layout(sizes, start)
         base = self.segments[slot].tensor
-        names = list(tensors)
-        offsets, _ = aligned_layout([t.numel() * t.element_size() for t in tensors.values()])
-        layout = []
-        for name, offset in zip(names, offsets, strict=True):
-            t = tensors[name]
-            nbytes = t.numel() * t.element_size()
-            if nbytes:
-                base[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
-            layout.append((name, offset, dtype_name(t.dtype), list(t.shape)))
+        if self.cursor > base.numel():
+            raise RuntimeError(
+                f"{self.name}: group {group} ends at byte {self.cursor} of a staging slot "
+                f"of {base.numel()} (spans larger than planned)"
+            )
+        key = (slot, group, start)
+        views = self.views.get(key)
+        layout: list[StagedTensor] | None = None
+        if views is None:  # first time here: build the views, tell the actor the layout
+            views, layout = [], []
+            for (name, t), offset, nbytes in zip(tensors.items(), offsets, sizes, strict=True):
+                views.append(base[offset : offset + nbytes].view(t.dtype).view(t.shape))
+                layout.append((name, offset, dtype_name(t.dtype), list(t.shape)))
+            self.views[key] = views
+        sources = list(tensors.values())
+        with torch.no_grad():
+            torch._foreach_copy_(views, sources)
+        self.staged.append((group, start, layout))
         self.slot_of[group] = slot
-        _ray_get(
-            self.actor.publish_staged.remote(group, slot, layout), CONTROL_TIMEOUT_S, self.name
-        )
+        return views
+
+    def publish(self) -> None:
+        if self.open is None:
+            return
+        slot, staged = self.open, self.staged
+        self.open, self.staged = None, []
+        self.unfreed[slot] = {group for group, _, _ in staged}
+        _ray_get(self.actor.publish_staged.remote(slot, staged), CONTROL_TIMEOUT_S, self.name)
 
     def wait_freed(self, within_s: float) -> list[int]:
         groups = _ray_get(
             self.actor.wait_freed.remote(within_s), within_s + CONTROL_TIMEOUT_S, self.name
         )
         for group in groups:
-            self.free_slots.append(self.slot_of.pop(group))
+            slot = self.slot_of.pop(group)
+            unfreed = self.unfreed[slot]
+            unfreed.discard(group)
+            if not unfreed:
+                del self.unfreed[slot]
+                self.free_slots.append(slot)
         return list(groups)
 
     def end_sync(self, within_s: float) -> None:

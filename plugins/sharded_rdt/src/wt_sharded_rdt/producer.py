@@ -5,7 +5,8 @@ trainer's process for the loopback transport, as a Ray actor for NIXL). Per
 sync, driven by its trainer rank:
 
     begin_sync(sync_id, live)     consumers that must free each group
-    publish(group, tensors)       never blocks; the group's names become servable
+    publish(groups)               never blocks; the groups' names become servable
+                                  (one call per span of groups, `pull_span`)
     wait_freed(within_s)          groups every live consumer has freed
     end_sync()                    waits until every published group is freed
 
@@ -49,7 +50,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -151,13 +152,16 @@ class Producer:
             self._early_skips = {s: v for s, v in self._early_skips.items() if s > sync_id}
             self._cond.notify_all()
 
-    def publish(self, group: int, tensors: dict[str, torch.Tensor]) -> None:
+    def publish(self, groups: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """Make `groups` (group index -> its tensors by name) servable."""
         with self._cond:
             self._check_error()
-            self._published[group] = tensors
-            self._cache.update(tensors)
+            for group, tensors in groups.items():
+                self._published[group] = dict(tensors)
+                self._cache.update(tensors)
             self._touch()
-            self._release_if_done(group)
+            for group in groups:
+                self._release_if_done(group)
             self._cond.notify_all()
 
     def wait_freed(self, within_s: float) -> list[int]:

@@ -95,7 +95,8 @@ MAX_PRODUCERS = 4096
 DEFAULT_CHUNK_BYTES = 256 << 20
 # What the trainer's staging ring may hold when `gather_lookahead` is left to it
 STAGING_BUDGET_BYTES = 512 << 20
-MAX_LOOKAHEAD = 64
+# A sanity bound on `gather_lookahead`: memory (the budget above) bounds it in practice
+MAX_LOOKAHEAD = 1 << 16
 
 
 def auto_lookahead(group_bytes: Sequence[int], budget: int = STAGING_BUDGET_BYTES) -> int:
@@ -110,8 +111,8 @@ def auto_lookahead(group_bytes: Sequence[int], budget: int = STAGING_BUDGET_BYTE
 
 
 def pull_span(lookahead: int) -> int:
-    """Consecutive groups one pull may hold: half of what the trainer keeps published
-    (`lookahead + 1`), so the next span is gathered while one is pulled."""
+    """Consecutive groups one pull (and one publish) may hold: half of what the trainer
+    keeps published (`lookahead + 1`), so the next span is staged while one is pulled."""
     return max(1, (lookahead + 1) // 2)
 
 

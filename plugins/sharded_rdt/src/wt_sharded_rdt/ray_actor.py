@@ -19,6 +19,7 @@ from weight_transfer.backend import dtype_from_name
 from wt_kits.colocated import SharedSegment
 from wt_kits.slices import FetchKey
 from wt_sharded_rdt.producer import Producer
+from wt_sharded_rdt.transport import StagedTensor
 
 __all__ = ["ProducerActor", "RDTProducer"]
 
@@ -43,6 +44,8 @@ class ProducerActor:
             for name in segment_names
         ]
         self.producer = Producer(**producer_kwargs)
+        # (slot, group, start) -> the group's tensors as views of the staging slot
+        self.views: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
         gc.freeze()  # a full collection must not stall a serve
 
     def ping(self) -> int:
@@ -55,15 +58,29 @@ class ProducerActor:
         self.producer.begin_sync(sync_id, live)
 
     def publish_staged(
-        self, group: int, slot: int, layout: list[tuple[str, int, str, list[int]]]
+        self, slot: int, staged: list[tuple[int, int, list[StagedTensor] | None]]
     ) -> None:
+        """Publish the groups the trainer staged in `slot`: per group its index, where
+        it starts and its layout (`None`: the same as the last time it started there,
+        whose views are kept)."""
         base = self.segments[slot].tensor
-        tensors = {}
-        for name, offset, dtype, shape in layout:
-            dt = dtype_from_name(dtype, field="layout dtype")
-            nbytes = math.prod(shape) * dt.itemsize
-            tensors[name] = base[offset : offset + nbytes].view(dt).view(shape)
-        self.producer.publish(group, tensors)
+        groups: dict[int, dict[str, torch.Tensor]] = {}
+        for group, start, layout in staged:
+            key = (slot, group, start)
+            if layout is not None:
+                tensors = {}
+                for name, offset, dtype, shape in layout:
+                    dt = dtype_from_name(dtype, field="layout dtype")
+                    nbytes = math.prod(shape) * dt.itemsize
+                    tensors[name] = base[offset : offset + nbytes].view(dt).view(shape)
+                self.views[key] = tensors
+            elif key not in self.views:
+                raise RuntimeError(
+                    f"group {group} was staged at byte {start} of slot {slot} without a "
+                    "layout, and none was sent before for that place"
+                )
+            groups[group] = self.views[key]
+        self.producer.publish(groups)
 
     def wait_freed(self, within_s: float) -> list[int]:
         return self.producer.wait_freed(within_s)

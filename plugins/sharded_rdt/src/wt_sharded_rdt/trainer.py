@@ -13,11 +13,12 @@ here is a collective: the producers carry each rank's description, so
 
 `send_weights`, on every rank, once per sync: the sender opens a round on
 the workers (`update_weights` in flight: they pull inside it) and every rank
-runs the gather loop: for each of its groups (`WeightSource.iter_groups`, or
-with `local_shards` its own pieces from `iter_local`, so nothing gathers),
-wait while more than `gather_lookahead` groups are published and not yet
-freed by every live consumer, then publish the group's held tensors. The
-loop ends when all its groups are freed. Waits poll the producer, so the
+runs the gather loop: it stages its groups (`WeightSource.iter_groups`, or
+with `local_shards` its own pieces from `iter_local`, so nothing gathers)
+span by span (`pull_span`: the windows of group indices a consumer's pull
+holds) and publishes each span in one call to its producer, once at most one
+other span is published and not yet freed by every live consumer. The loop
+ends when all its groups are freed. Waits poll the producer, so the
 sender sees a failed worker at once, and the producer's watchdog bounds
 every rank. On failure the rank's producer fails its waiters (the sender
 fails every rank's), so consumers stop pulling and roll back.
@@ -58,12 +59,14 @@ from wt_sharded_rdt.producer import ProducerError
 from wt_sharded_rdt.protocol import (
     DEFAULT_CHUNK_BYTES,
     MAX_CONSUMERS,
+    MAX_LOOKAHEAD,
     MAX_PRODUCERS,
     TRANSPORTS,
     ShardedRDTWorkerInitInfo,
     auto_lookahead,
     metadata_digest,
     owner_table,
+    pull_span,
 )
 from wt_sharded_rdt.shards import check_owner_ranks, encode_layout
 from wt_sharded_rdt.transport import ProducerClient, ProducerHost, forwarded_env
@@ -88,10 +91,11 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
     namespace `namespace`. `num_rdt_buffers`: receive and serve ring depth.
     `gather_lookahead`: groups published but not yet freed, beyond the one
     being gathered (`None`: as many as about 512 MiB of staging holds at the
-    largest group's size, 1 to 64, `auto_lookahead`); a consumer's pull holds
-    up to half of the groups published at once (`pull_span`): fewer, larger
-    pulls. `chunk_bytes`: the largest pull (a larger slice is a pull of its
-    own). `stall_timeout_s`: a sync with no progress at a producer for this
+    largest group's size, `auto_lookahead`); the groups go out in spans of
+    `pull_span(gather_lookahead)` groups, one publish and one pull per
+    producer a span, and a rank keeps at most two spans published: fewer,
+    larger calls. `chunk_bytes`: the largest pull (a larger slice is a pull of
+    its own). `stall_timeout_s`: a sync with no progress at a producer for this
     long fails; `peer_timeout_s`: a consumer silent this long while a
     group waits for it fails the sync, naming it. `actor_env`: environment
     for the producer actors, on top of this process's `UCX_*` / `NIXL_*`.
@@ -153,7 +157,11 @@ class ShardedRDTTrainerInitInfo(TrainerInitInfo):
         check_int_range(self.num_rdt_buffers, field="num_rdt_buffers", what=what, low=1, high=16)
         if self.gather_lookahead is not None:
             check_int_range(
-                self.gather_lookahead, field="gather_lookahead", what=what, low=0, high=64
+                self.gather_lookahead,
+                field="gather_lookahead",
+                what=what,
+                low=0,
+                high=MAX_LOOKAHEAD,
             )
         check_int_range(self.chunk_bytes, field="chunk_bytes", what=what, low=1 << 10, high=1 << 40)
         for name in ("stall_timeout_s", "peer_timeout_s", "timeout_s"):
@@ -210,6 +218,8 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                 [aligned_layout([self.meta_of[n].nbytes for n in g])[1] for g in self.groups]
             )  # from the metadata alone, so every rank derives the same
         )
+        self.span = pull_span(self.lookahead)
+        self.slots = 2 if self.lookahead else 1  # spans published and not yet freed
         self.sync_id = 0
         self.check_finite = True  # refuse NaN / infinity before they are published
         self.namespace, self.ray_address = info.namespace, None
@@ -245,10 +255,12 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
     # -- init ------------------------------------------------------------------
     def _start_producer(self) -> None:
         info = self.info
-        staging = 0
+        by_span: dict[int, list[int]] = {}
         for gi in self.owned:
-            sizes = [self._nbytes(n) for n in self.groups[gi] if n in self.held]
-            staging = max(staging, aligned_layout(sizes)[1])
+            by_span.setdefault(gi // self.span, []).extend(
+                self._nbytes(n) for n in self.groups[gi] if n in self.held
+            )
+        staging = max((aligned_layout(sizes)[1] for sizes in by_span.values()), default=0)
         self.host = host_producer(
             info.transport,
             info.producer_name(info.rank),
@@ -266,7 +278,7 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                 "shard_layouts": self.layouts,
             },
             staging_bytes=staging,
-            staging_slots=self.lookahead + 1,
+            staging_slots=self.slots,
             max_concurrency=info.num_consumers * info.num_rdt_buffers + 8,
             env=forwarded_env(info.actor_env),
         )
@@ -414,21 +426,36 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
             raise RuntimeError("send_weights before trainer_init (or after shutdown)")
         host.begin_sync(sync_id, live)
         try:
-            in_flight: set[int] = set()
+            in_flight: dict[int, set[int]] = {}  # span -> its published groups not yet freed
+            staged: dict[str, torch.Tensor] = {}  # the open span's tensors, as they will be served
+            open_span, open_groups = -1, set[int]()
+
+            def publish() -> None:
+                if not open_groups:
+                    return
+                if self.check_finite:  # the span at once: one host read
+                    self._check_finite(staged)
+                host.publish()
+                in_flight[open_span] = set(open_groups)
+                if transfer is not None:
+                    transfer.chunk_moved(sum(t.numel() * t.element_size() for t in staged.values()))
+
             groups = self._local_groups() if self.local else source.iter_groups()
             for names, tensors in groups:
                 group = self._check_group(names)
                 batch = self._held_batch(names, tensors)
                 if not batch:
                     continue
-                while len(in_flight) > self.lookahead:
-                    in_flight -= self._freed(transfer)
-                host.publish(group, batch)
-                in_flight.add(group)
-                if transfer is not None:
-                    transfer.chunk_moved(sum(t.numel() * t.element_size() for t in batch.values()))
+                if group // self.span != open_span:
+                    publish()
+                    open_span, open_groups, staged = group // self.span, set(), {}
+                    while len(in_flight) >= self.slots:
+                        self._drain(in_flight, transfer)
+                staged.update(zip(batch, host.stage(group, batch), strict=True))
+                open_groups.add(group)
+            publish()
             while in_flight:
-                in_flight -= self._freed(transfer)
+                self._drain(in_flight, transfer)
             host.end_sync(self.info.stall_timeout_s)
         except BaseException as error:
             reason = f"{type(error).__name__}: {error}"
@@ -506,16 +533,28 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                     f"{name!r} disagrees with metadata: the source yielded {tensor.dtype} "
                     f"{list(tensor.shape)}, {what} {meta.dtype} {list(shape)}"
                 )
-            batch[name] = tensor.detach()
-        if self.check_finite:  # the group at once: one host read
-            bad = first_non_finite(list(batch.values()))
-            if bad is not None:
-                raise ValueError(
-                    f"WeightSource yielded non-finite values (NaN or infinity) in "
-                    f"{list(batch)[bad]!r}; set check_finite = False on the engine to send "
-                    "them anyway"
-                )
+            batch[name] = tensor.detach() if tensor.requires_grad else tensor
         return batch
+
+    @staticmethod
+    def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+        bad = first_non_finite(list(tensors.values()))
+        if bad is not None:
+            raise ValueError(
+                f"WeightSource yielded non-finite values (NaN or infinity) in "
+                f"{list(tensors)[bad]!r}; set check_finite = False on the engine to send "
+                "them anyway"
+            )
+
+    def _drain(self, in_flight: dict[int, set[int]], transfer: Transfer | None) -> None:
+        """Wait for frees; drop the spans every live consumer has freed."""
+        for group in self._freed(transfer):
+            span = group // self.span
+            waiting = in_flight.get(span)
+            if waiting is not None:
+                waiting.discard(group)
+                if not waiting:
+                    del in_flight[span]
 
     def _freed(self, transfer: Transfer | None) -> set[int]:
         """Groups freed by every live consumer; the workers' failure raises at once."""

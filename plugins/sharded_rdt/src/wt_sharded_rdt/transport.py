@@ -12,13 +12,14 @@ layout, scatter) is the same code whichever carries the bytes:
 - `nixl` (`wt_sharded_rdt.nixl`): the producer is a Ray actor
   (`wt_sharded_rdt.ray_actor.ProducerActor`) on the trainer
   rank's node, named so consumers find it (`ray.get_actor`). The rank hands
-  it each group through shared memory (core's `SharedSegment`, a ring of
-  `gather_lookahead + 1` slots, each sized for the rank's largest group); a
+  it each span of groups through shared memory (the kits' `SharedSegment`,
+  two slots, each sized for the rank's largest span); a
   consumer's pull is an actor call whose returned tensor Ray Direct
   Transport moves over NIXL straight into the consumer's receive slot
   (`set_target_for_ref`). Consumers pull; the trainer never routes.
 
-Trainer side (`ProducerHost`): `describe`, `begin_sync`, `publish`,
+Trainer side (`ProducerHost`): `describe`, `begin_sync`, `stage` (local: holds
+or copies a group's tensors), `publish` (the staged groups, one call),
 `wait_freed`, `end_sync`, `set_error`, `close`. Consumer side
 (`ProducerClient`): `pull` (returns a `Pending` whose `result(timeout_s)`
 returns once the bytes are in the receive slot, and raises if the blob is not
@@ -47,12 +48,16 @@ __all__ = [
     "LoopbackClient",
     "check_blob_size",
     "forwarded_env",
+    "StagedTensor",
 ]
 
 # Control calls to a producer answer at once; waits pass their own bound.
 CONTROL_TIMEOUT_S = 60.0
 ALIVE_TIMEOUT_S = 5.0
 ENV_PREFIXES = ("UCX_", "NIXL_")
+
+# Where a staged tensor sits in a staging slot: (name, byte offset, dtype name, shape)
+StagedTensor = tuple[str, int, str, list[int]]
 
 
 class Pending(Protocol):
@@ -66,7 +71,14 @@ class ProducerHost(Protocol):
 
     def begin_sync(self, sync_id: int, live: Sequence[int]) -> None: ...
 
-    def publish(self, group: int, tensors: dict[str, torch.Tensor]) -> None: ...
+    def stage(self, group: int, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Take `group`'s tensors for the next `publish` (no call to the producer);
+        returns what will be served, in order (the source's tensors or their copies)."""
+        ...
+
+    def publish(self) -> None:
+        """Make every group staged since the last publish servable, in one call."""
+        ...
 
     def wait_freed(self, within_s: float) -> list[int]: ...
 
@@ -153,6 +165,7 @@ class LoopbackHost:
 
     def __init__(self, name: str, namespace: str | None, producer: Producer) -> None:
         self.name, self.namespace, self.producer = name, namespace, producer
+        self.staged: dict[int, dict[str, torch.Tensor]] = {}
         with _LOOPBACK_LOCK:
             if (namespace, name) in _LOOPBACK:
                 raise ValueError(f"a producer named {name!r} already exists in this process")
@@ -162,10 +175,17 @@ class LoopbackHost:
         return self.producer.describe()
 
     def begin_sync(self, sync_id: int, live: Sequence[int]) -> None:
+        self.staged = {}
         self.producer.begin_sync(sync_id, live)
 
-    def publish(self, group: int, tensors: dict[str, torch.Tensor]) -> None:
-        self.producer.publish(group, tensors)
+    def stage(self, group: int, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        self.staged[group] = tensors
+        return list(tensors.values())
+
+    def publish(self) -> None:
+        staged, self.staged = self.staged, {}
+        if staged:
+            self.producer.publish(staged)
 
     def wait_freed(self, within_s: float) -> list[int]:
         return self.producer.wait_freed(within_s)
