@@ -163,9 +163,10 @@ def gpu(session: nox.Session) -> None:
 
     Installs vLLM 0.33.0 (CUDA build), runs `tests/gpu` (CUDA IPC, NCCL,
     sharded_rdt), the engine checks against the installed vLLM's worker
-    (`tests/vllm/test_vllm_contract.py`) and a live `LLM` synced by every
-    backend (`tests/vllm/test_local.py`), then the GPU benchmark. Skipped
-    without CUDA.
+    (`tests/vllm/test_vllm_contract.py`), a live `LLM` synced by every
+    backend (`tests/vllm/test_local.py`) and a live fused-MoE model
+    (`tests/vllm/test_moe_vllm.py`: sharded_rdt too, where CPU refuses it),
+    then the GPU benchmark. Skipped without CUDA.
     """
     if not has_cuda():
         session.skip("needs CUDA (nvidia-smi)")
@@ -174,6 +175,6 @@ def gpu(session: nox.Session) -> None:
     session.install(*TEST_DEPS, *INTEGRATIONS)
     session.run(
         "pytest", "tests/gpu", "tests/vllm/test_vllm_contract.py", "tests/vllm/test_local.py",
-        "-m", "not extended", *session.posargs,
+        "tests/vllm/test_moe_vllm.py", "-m", "not extended", *session.posargs,
     )  # fmt: skip
     session.run("python", "-m", "wt_tools.gpu_bench", "--out", "bench-results/gpu.json")

@@ -1,11 +1,12 @@
-"""A live fused-MoE model (a tiny Qwen3-MoE) synced exactly into vLLM on CPU.
+"""A live fused-MoE model (a tiny Qwen3-MoE) synced exactly into vLLM (CPU; CUDA in `nox -s gpu`).
 
 vLLM's CPU experts kernel prepacks (and pads) its expert weights at load, which
 its own layerwise reload then overwrites with unpacked ones (`weight_transfer.
 vllm.moe`). Every sync here, of other weights and of the very weights served,
 must leave the engine's parameters bit-exact against a fresh engine loaded from
 the target checkpoint, and its greedy tokens and logprobs equal to that
-engine's. A slice-recording backend refuses the model at init instead.
+engine's. A slice-recording backend refuses the model at init where the kernel
+prepacks (vLLM's CPU kernel) and syncs it exactly where none does (CUDA).
 
 The engines run in a process of their own (`tests.vllm.moe_checks`: a MoE model
 needs process-wide parallel groups that the dense engines of this process
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.vllm.conftest import require_backend
 
@@ -31,6 +33,9 @@ pytest.importorskip("transformers")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
+
+# Only vLLM's CPU experts kernel prepacks its weights (`weight_transfer.vllm.moe`)
+PREPACKS = pytest.mark.skipif(torch.cuda.is_available(), reason="no prepacking experts kernel")
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +81,7 @@ def test_a_live_moe_model_is_synced_exactly(seen: dict[str, Any], case: str) -> 
         _exact(step, f"wt_{case}, {step['what']}")
 
 
+@PREPACKS
 def test_a_round_with_part_of_a_layers_experts_is_refused_and_changes_nothing(
     seen: dict[str, Any],
 ) -> None:
@@ -87,11 +93,23 @@ def test_a_round_with_part_of_a_layers_experts_is_refused_and_changes_nothing(
     _exact(result["then"], "the complete round after the refused one")
 
 
+@PREPACKS
 def test_a_slice_recording_backend_refuses_the_moe_model_at_init(seen: dict[str, Any]) -> None:
-    result = _part(seen, "slices_refused")
+    result = _part(seen, "slices")
     assert result["error"] is not None, "wt_sharded_rdt connected to a prepacked MoE model"
     assert "prepack their expert weights" in result["error"] and "wt_nccl" in result["error"]
     _exact(result["then"], "after the refused init")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's CPU experts kernel prepacks")
+def test_a_slice_recording_backend_syncs_the_moe_model_where_no_kernel_prepacks(
+    seen: dict[str, Any],
+) -> None:
+    result = _part(seen, "slices")
+    assert result["error"] is None, result["error"]
+    assert [s["what"] for s in result["steps"]] == ["seed 2", "seed 1"]
+    for step in result["steps"]:
+        _exact(step, f"wt_sharded_rdt, {step['what']}")
 
 
 def test_sparse_patches_of_a_live_moe_model_land_exactly(seen: dict[str, Any]) -> None:
