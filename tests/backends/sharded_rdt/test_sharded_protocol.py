@@ -393,3 +393,40 @@ def test_a_slice_that_is_no_box_of_a_sharded_tensor_is_refused_naming_it() -> No
         ([0], 0, (3, 8)),
         ([1], 24, (3, 8)),
     ]
+
+
+def test_the_finite_check_reads_runs_of_the_staged_bytes_and_names_the_parameter() -> None:
+    """A staging slot's adjacent floating copies of one dtype are checked as one run
+    (padding or another dtype ends it); a NaN anywhere is refused naming its tensor."""
+    from wt_kits.stream import aligned_layout
+    from wt_sharded_rdt.nixl import _floating_runs
+    from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine
+
+    tensors = {
+        "a": torch.randn(16),
+        "b": torch.randn(4, 4),  # adjacent to a: one run of 32
+        "i": torch.arange(8),
+        "c": torch.randn(3).half(),  # 6 bytes: padding ends the run
+        "d": torch.randn(5).half(),
+    }
+    sizes = [t.nbytes for t in tensors.values()]
+    offsets, end = aligned_layout(sizes)
+    base = torch.zeros(end, dtype=torch.uint8)
+    views = {
+        name: base[o : o + n].view(t.dtype).view(t.shape)
+        for (name, t), o, n in zip(tensors.items(), offsets, sizes, strict=True)
+    }
+    for name, t in tensors.items():
+        views[name].copy_(t)
+    pieces = [(t.dtype, o, n) for t, o, n in zip(tensors.values(), offsets, sizes, strict=True)]
+    runs = _floating_runs(base, pieces)
+    assert [(r.dtype, r.numel()) for r in runs] == [
+        (torch.float32, 32), (torch.float16, 3), (torch.float16, 5),
+    ]  # fmt: skip
+    ShardedRDTTrainerEngine._check_finite(views, runs)  # all finite: passes
+    for name in ("a", "b", "c", "d"):
+        saved = views[name].clone()
+        views[name].view(-1)[-1] = float("nan")
+        with pytest.raises(ValueError, match=f"non-finite values .* '{name}'"):
+            ShardedRDTTrainerEngine._check_finite(views, runs)
+        views[name].copy_(saved)

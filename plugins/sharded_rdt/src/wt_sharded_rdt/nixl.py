@@ -22,6 +22,7 @@ from wt_sharded_rdt.transport import (
     ALIVE_TIMEOUT_S,
     CONTROL_TIMEOUT_S,
     Pending,
+    Staged,
     StagedTensor,
     check_blob_size,
 )
@@ -37,6 +38,22 @@ def _ray_get(ref: Any, timeout_s: float, what: str) -> Any:
         return ray.get(ref, timeout=timeout_s)
     except GetTimeoutError:
         raise TimeoutError(f"{what}: no answer within {timeout_s:g}s") from None
+
+
+def _floating_runs(
+    base: torch.Tensor, pieces: Sequence[tuple[torch.dtype, int, int]]
+) -> list[torch.Tensor]:
+    """Views of `base` over the maximal runs of adjacent floating pieces `(dtype,
+    offset, nbytes)` of one dtype (alignment padding ends a run)."""
+    runs: list[tuple[torch.dtype, int, int]] = []
+    for dtype, offset, nbytes in pieces:
+        if not nbytes or not dtype.is_floating_point:
+            continue
+        if runs and runs[-1][0] == dtype and runs[-1][2] == offset:
+            runs[-1] = (dtype, runs[-1][1], offset + nbytes)
+        else:
+            runs.append((dtype, offset, offset + nbytes))
+    return [base[a:b].view(dtype) for dtype, a, b in runs]
 
 
 class RayHost:
@@ -95,7 +112,7 @@ class RayHost:
         for segment in self.segments:
             segment.unlink()  # mapped on both sides: nothing stays in /dev/shm
         # (slot, group, start) -> the staging views of the group's tensors
-        self.views: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        self.views: dict[tuple[int, int, int], Staged] = {}
         self.begin_sync_state()
 
     def begin_sync_state(self) -> None:
@@ -113,7 +130,7 @@ class RayHost:
         self.begin_sync_state()
         _ray_get(self.actor.begin_sync.remote(sync_id, list(live)), CONTROL_TIMEOUT_S, self.name)
 
-    def stage(self, group: int, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def stage(self, group: int, tensors: dict[str, torch.Tensor]) -> Staged:
         if self.open is None:
             if not self.free_slots:
                 raise RuntimeError(f"{self.name}: no free staging slot (spans out of step)")
@@ -128,20 +145,20 @@ class RayHost:
                 f"of {base.numel()} (spans larger than planned)"
             )
         key = (slot, group, start)
-        views = self.views.get(key)
+        staged = self.views.get(key)
         layout: list[StagedTensor] | None = None
-        if views is None:  # first time here: build the views, tell the actor the layout
-            views, layout = [], []
+        if staged is None:  # first time here: build the views, tell the actor the layout
+            views, layout, pieces = [], [], []
             for (name, t), offset, nbytes in zip(tensors.items(), offsets, sizes, strict=True):
                 views.append(base[offset : offset + nbytes].view(t.dtype).view(t.shape))
                 layout.append((name, offset, dtype_name(t.dtype), list(t.shape)))
-            self.views[key] = views
-        sources = list(tensors.values())
+                pieces.append((t.dtype, offset, nbytes))
+            staged = self.views[key] = Staged(views, _floating_runs(base, pieces))
         with torch.no_grad():
-            torch._foreach_copy_(views, sources)
+            torch._foreach_copy_(staged.tensors, list(tensors.values()))
         self.staged.append((group, start, layout))
         self.slot_of[group] = slot
-        return views
+        return staged
 
     def publish(self) -> None:
         if self.open is None:

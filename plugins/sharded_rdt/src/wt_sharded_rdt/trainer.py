@@ -428,13 +428,14 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
         try:
             in_flight: dict[int, set[int]] = {}  # span -> its published groups not yet freed
             staged: dict[str, torch.Tensor] = {}  # the open span's tensors, as they will be served
+            floating: list[torch.Tensor] = []  # the same bytes in runs, for the finite check
             open_span, open_groups = -1, set[int]()
 
             def publish() -> None:
                 if not open_groups:
                     return
                 if self.check_finite:  # the span at once: one host read
-                    self._check_finite(staged)
+                    self._check_finite(staged, floating)
                 host.publish()
                 in_flight[open_span] = set(open_groups)
                 if transfer is not None:
@@ -448,10 +449,12 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
                     continue
                 if group // self.span != open_span:
                     publish()
-                    open_span, open_groups, staged = group // self.span, set(), {}
+                    open_span, open_groups, staged, floating = group // self.span, set(), {}, []
                     while len(in_flight) >= self.slots:
                         self._drain(in_flight, transfer)
-                staged.update(zip(batch, host.stage(group, batch), strict=True))
+                served, runs = host.stage(group, batch)
+                staged.update(zip(batch, served, strict=True))
+                floating += runs
                 open_groups.add(group)
             publish()
             while in_flight:
@@ -537,7 +540,11 @@ class ShardedRDTTrainerEngine(TrainerWeightTransferEngine[ShardedRDTTrainerInitI
         return batch
 
     @staticmethod
-    def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    def _check_finite(tensors: dict[str, torch.Tensor], floating: list[torch.Tensor]) -> None:
+        """Refuse NaN or infinity: `floating` (the same bytes, fewer tensors) is checked;
+        only a span that fails is looked at tensor by tensor, to name the parameter."""
+        if first_non_finite(floating) is None:
+            return
         bad = first_non_finite(list(tensors.values()))
         if bad is not None:
             raise ValueError(

@@ -33,7 +33,7 @@ import concurrent.futures
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -48,6 +48,7 @@ __all__ = [
     "LoopbackClient",
     "check_blob_size",
     "forwarded_env",
+    "Staged",
     "StagedTensor",
 ]
 
@@ -58,6 +59,15 @@ ENV_PREFIXES = ("UCX_", "NIXL_")
 
 # Where a staged tensor sits in a staging slot: (name, byte offset, dtype name, shape)
 StagedTensor = tuple[str, int, str, list[int]]
+
+
+class Staged(NamedTuple):
+    """A staged group: what will be served, in order (the source's tensors or their
+    copies), and the same bytes' floating values as few tensors as their layout
+    allows (adjacent copies of one dtype as one run), for the finite check."""
+
+    tensors: list[torch.Tensor]
+    floating: list[torch.Tensor]
 
 
 class Pending(Protocol):
@@ -71,9 +81,8 @@ class ProducerHost(Protocol):
 
     def begin_sync(self, sync_id: int, live: Sequence[int]) -> None: ...
 
-    def stage(self, group: int, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Take `group`'s tensors for the next `publish` (no call to the producer);
-        returns what will be served, in order (the source's tensors or their copies)."""
+    def stage(self, group: int, tensors: dict[str, torch.Tensor]) -> Staged:
+        """Take `group`'s tensors for the next `publish` (no call to the producer)."""
         ...
 
     def publish(self) -> None:
@@ -178,9 +187,10 @@ class LoopbackHost:
         self.staged = {}
         self.producer.begin_sync(sync_id, live)
 
-    def stage(self, group: int, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def stage(self, group: int, tensors: dict[str, torch.Tensor]) -> Staged:
         self.staged[group] = tensors
-        return list(tensors.values())
+        held = list(tensors.values())
+        return Staged(held, held)
 
     def publish(self) -> None:
         staged, self.staged = self.staged, {}
