@@ -10,7 +10,7 @@ import torch
 
 from weight_transfer import ParamMeta
 from weight_transfer.backend import DirectLoader
-from weight_transfer.runtime.slices import write_scatter
+from weight_transfer.runtime.slices import write_scatters
 from wt_kits.slices import UnsupportedOp, apply_chain, record_slices
 from wt_kits.stream import aligned_layout
 
@@ -85,11 +85,13 @@ def test_replaying_the_record_equals_loading() -> None:
     scatters = record(model, ts)
     assert all(p.abs().sum() == 0 for p in model.parameters()), "the dry run wrote into the model"
     assert set(scatters) == set(ts)
+    writes = []
     for name, per_name in scatters.items():
         for s in per_name:
             piece = apply_chain(ts[name], s.key[1]).contiguous()
             assert piece.numel() == s.numel and piece.dtype == s.src_dtype
-            write_scatter(getattr(model, s.param), s, piece.view(-1))
+            writes.append((getattr(model, s.param), s, piece.view(-1)))
+    write_scatters(writes)
     for name, want in loaded.state_dict().items():
         assert torch.equal(model.state_dict()[name], want), name
     # the pulled bytes are the slices only: "a" keeps 3 of its 4 rows, "c" half its columns

@@ -24,7 +24,7 @@ calling `load_weights` every round.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
@@ -104,7 +104,8 @@ class SliceLoader(WeightLoader, Protocol):
     model's loading code is undone when the context exits, so the model is
     servable again. Inside a round: `begin_module(module, zero)` before the
     first write into a module (`zero`: its parameters the slices do not
-    cover entirely, which start at zero), `write(scatter, src)` per slice,
+    cover entirely, which start at zero), `write(writes)` with `(scatter, src)`
+    pairs of begun modules (a pull's slices at once: one batched copy),
     `end_module(module)` after the last (the module's post-load processing
     runs there). Writes are undone by `abort()` like any load.
     """
@@ -113,7 +114,7 @@ class SliceLoader(WeightLoader, Protocol):
 
     def begin_module(self, module: str, zero: Iterable[str]) -> None: ...
 
-    def write(self, scatter: Scatter, src: torch.Tensor) -> None: ...
+    def write(self, writes: Sequence[tuple[Scatter, torch.Tensor]]) -> None: ...
 
     def end_module(self, module: str) -> None: ...
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -18,7 +18,7 @@ from weight_transfer.runtime.slices import (
     DryRun,
     Scatter,
     parameter_targets,
-    write_scatter,
+    write_scatters,
 )
 
 __all__ = ["DirectLoader"]
@@ -161,15 +161,23 @@ class DirectLoader:
     def begin_module(self, module: str, zero: Iterable[str]) -> None:
         """Nothing: a plain model's parameters are real; uncovered elements keep their values."""
 
-    def write(self, scatter: Scatter, src: torch.Tensor) -> None:
+    def write(self, writes: Sequence[tuple[Scatter, torch.Tensor]]) -> None:
         self.prepare()
         assert self._saved is not None
-        name = f"{scatter.module}.{scatter.param}" if scatter.module else scatter.param
-        param = self.model.get_parameter(name)
-        if name not in self._saved:
-            with torch.no_grad():
-                self._set_aside(name, param)
-        write_scatter(param, scatter, src)
+        params = self._params if self._params is not None else dict(self.model.named_parameters())
+        fresh: dict[str, torch.Tensor] = {}  # parameters first overwritten now
+        placed = []
+        for scatter, src in writes:
+            name = f"{scatter.module}.{scatter.param}" if scatter.module else scatter.param
+            param = params.get(name)
+            if param is None:
+                raise KeyError(f"{type(self.model).__name__} has no parameter named {name!r}")
+            if name not in self._saved:
+                fresh[name] = param
+            placed.append((param, scatter, src))
+        with torch.no_grad():
+            self._set_aside_all(list(fresh.items()))
+        write_scatters(placed)
 
     def end_module(self, module: str) -> None:
         """Nothing: a plain model has no post-load processing."""

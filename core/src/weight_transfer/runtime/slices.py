@@ -10,7 +10,8 @@ Nothing is written: the recording tensor's `copy_` only logs.
 
 Afterwards, every round a producer holding the full tensor replays the chain
 (`apply_chain`) and ships the resulting slice; the receiver writes it at the
-recorded place (`write_scatter`): `load_weights` does not run again.
+recorded place (`write_scatters`, one batched copy per call): `load_weights`
+does not run again.
 
 The ops a chain may hold are an explicit allowlist (`ALLOWED_OPS`), shared by
 recorder and replayer: pure views and shape operations, never anything that
@@ -49,7 +50,7 @@ __all__ = [
     "SliceRecord",
     "record_slices",
     "apply_chain",
-    "write_scatter",
+    "write_scatters",
     "storage_id",
     "describe_chain",
 ]
@@ -368,13 +369,20 @@ def _meta(meta: ParamMeta) -> torch.Tensor:
     return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
 
 
-def write_scatter(param: torch.Tensor, scatter: Scatter, src: torch.Tensor) -> None:
-    """Write slice `src` (laid out contiguously, `scatter.src_dtype`) where it was recorded."""
-    dest = param.data.as_strided(
-        scatter.shape, scatter.stride, param.storage_offset() + scatter.offset
-    )
-    with torch.no_grad():
-        dest.copy_(src.view(scatter.src_shape))
+def write_scatters(writes: Sequence[tuple[torch.Tensor, Scatter, torch.Tensor]]) -> None:
+    """Write each slice `src` (laid out contiguously, `scatter.src_dtype`) where it was
+    recorded in `param`: one batched copy for all of `writes` `(param, scatter, src)`."""
+    dests = []
+    srcs = []
+    for param, scatter, src in writes:
+        data = param.data
+        dests.append(
+            data.as_strided(scatter.shape, scatter.stride, data.storage_offset() + scatter.offset)
+        )
+        srcs.append(src.view(scatter.src_shape))
+    if dests:
+        with torch.no_grad():
+            torch._foreach_copy_(dests, srcs)
 
 
 # What a dry run hands the recorder: the model's load function and its

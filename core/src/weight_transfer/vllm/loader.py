@@ -58,13 +58,13 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from weight_transfer.runtime.phases import timed
-from weight_transfer.runtime.slices import DryRun, Scatter, parameter_targets, write_scatter
+from weight_transfer.runtime.slices import DryRun, Scatter, parameter_targets, write_scatters
 from weight_transfer.vllm.moe import PrepackedExperts, prepacked_expert_layers
 from weight_transfer.vllm.snapshot import COPY_MODES, ModelSnapshot
 
@@ -300,10 +300,16 @@ class VLLMLoader:
             for name in zero:
                 getattr(layer, name).data.zero_()
 
-    def write(self, scatter: Scatter, src: torch.Tensor) -> None:
+    def write(self, writes: Sequence[tuple[Scatter, torch.Tensor]]) -> None:
         with self._lock:
-            layer, _ = self._armed(scatter.module)
-            write_scatter(getattr(layer, scatter.param), scatter, src)
+            layers: dict[str, torch.nn.Module] = {}
+            placed = []
+            for scatter, src in writes:
+                layer = layers.get(scatter.module)
+                if layer is None:
+                    layer = layers[scatter.module] = self._armed(scatter.module)[0]
+                placed.append((getattr(layer, scatter.param), scatter, src))
+            write_scatters(placed)
 
     def end_module(self, module: str) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import _layerwise_process

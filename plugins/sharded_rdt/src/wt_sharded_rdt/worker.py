@@ -384,11 +384,12 @@ class ShardedRDTWorkerEngine(WeightTransferEngine[ShardedRDTWorkerInitInfo, Shar
         assert isinstance(loader, SliceLoader)
         for module in chunk.begins:
             loader.begin_module(module, self.zero.get(module, ()))
+        writes = []
         for scatters, offset in zip(chunk.scatters, chunk.offsets, strict=True):
             first = scatters[0]
             piece = buffer[offset : offset + first.nbytes].view(first.src_dtype)
-            for scatter in scatters:
-                loader.write(scatter, piece)
+            writes += [(scatter, piece) for scatter in scatters]
+        loader.write(writes)
         for module in chunk.ends:
             loader.end_module(module)
 
