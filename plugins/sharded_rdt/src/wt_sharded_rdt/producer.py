@@ -305,10 +305,13 @@ class Producer:
                     "(reserve it at init)", self.rank, consumer, nbytes,
                 )  # fmt: skip
                 slot = ring[seq % self.num_buffers] = self._allocate(max(nbytes, 1))
-        for piece, offset in zip(slices, layout.offsets, strict=True):
-            if piece.numel():
-                size = piece.numel() * piece.element_size()
-                slot[offset : offset + size].view(piece.dtype).view(piece.shape).copy_(piece)
+        targets, sources = [], []
+        for piece, offset, size in zip(slices, layout.offsets, sizes, strict=True):
+            if size:
+                targets.append(slot[offset : offset + size].view(piece.dtype).view(piece.shape))
+                sources.append(piece)
+        if targets:  # the pull's slices into its blob, one batched copy
+            torch._foreach_copy_(targets, sources)
         if self.verify:  # digests of the bytes as they leave, in the blob's own tail
             digests_view(slot, layout).copy_(blob_digests(tuple(sizes)).of(0, slot))
         with self._cond:
