@@ -398,8 +398,7 @@ def test_a_slice_that_is_no_box_of_a_sharded_tensor_is_refused_naming_it() -> No
 def test_the_finite_check_reads_runs_of_the_staged_bytes_and_names_the_parameter() -> None:
     """A staging slot's adjacent floating copies of one dtype are checked as one run
     (padding or another dtype ends it); a NaN anywhere is refused naming its tensor."""
-    from wt_kits.stream import aligned_layout
-    from wt_sharded_rdt.nixl import _floating_runs
+    from wt_kits.stream import aligned_layout, floating_runs
     from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine
 
     tensors = {
@@ -419,7 +418,7 @@ def test_the_finite_check_reads_runs_of_the_staged_bytes_and_names_the_parameter
     for name, t in tensors.items():
         views[name].copy_(t)
     pieces = [(t.dtype, o, n) for t, o, n in zip(tensors.values(), offsets, sizes, strict=True)]
-    runs = _floating_runs(base, pieces)
+    runs = [base[a:b].view(dtype) for dtype, a, b in floating_runs(pieces)]
     assert [(r.dtype, r.numel()) for r in runs] == [
         (torch.float32, 32), (torch.float16, 3), (torch.float16, 5),
     ]  # fmt: skip

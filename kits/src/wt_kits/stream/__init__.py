@@ -28,6 +28,7 @@ from wt_kits.stream.packing import (
     WireParams,
     aligned_layout,
     as_bytes,
+    floating_runs,
     plan_buckets,
     plan_per_tensor,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "as_bytes",
     "digest",
     "first_non_finite",
+    "floating_runs",
     "plan_buckets",
     "plan_per_tensor",
     "bucket_landed",

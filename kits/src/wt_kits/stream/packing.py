@@ -26,7 +26,7 @@ source iteration, a batched copy and at most one host read per bucket;
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,7 @@ __all__ = [
     "plan_per_tensor",
     "aligned_layout",
     "as_bytes",
+    "floating_runs",
     "piece_view",
     "WireParams",
     "PlanCache",
@@ -476,16 +477,29 @@ def float_runs(plan: BucketPlan, k: int) -> list[tuple[torch.dtype, int, int]]:
         every = plan.derived["float_runs"] = {}
     runs = every.get(k)
     if runs is None:
-        runs = []
-        for piece in plan.buckets[k].pieces:
-            meta = plan.params[piece.param]
-            if piece.nbytes == 0 or piece.nbytes != meta.nbytes or not meta.dtype.is_floating_point:
-                continue
-            if runs and runs[-1][0] == meta.dtype and runs[-1][2] == piece.offset:
-                runs[-1] = (meta.dtype, runs[-1][1], piece.offset + piece.nbytes)
-            else:
-                runs.append((meta.dtype, piece.offset, piece.offset + piece.nbytes))
-        every[k] = runs
+        whole = [
+            (plan.params[p.param].dtype, p.offset, p.nbytes)
+            for p in plan.buckets[k].pieces
+            if p.nbytes == plan.params[p.param].nbytes
+        ]
+        runs = every[k] = floating_runs(whole)
+    return runs
+
+
+def floating_runs(
+    pieces: Iterable[tuple[torch.dtype, int, int]],
+) -> list[tuple[torch.dtype, int, int]]:
+    """The maximal runs `(dtype, start, end)` of adjacent pieces `(dtype, offset, nbytes)`
+    of one floating dtype, in order; empty and non-floating pieces are skipped, and a
+    gap between pieces (alignment padding) ends a run."""
+    runs: list[tuple[torch.dtype, int, int]] = []
+    for dtype, offset, nbytes in pieces:
+        if not nbytes or not dtype.is_floating_point:
+            continue
+        if runs and runs[-1][0] == dtype and runs[-1][2] == offset:
+            runs[-1] = (dtype, runs[-1][1], offset + nbytes)
+        else:
+            runs.append((dtype, offset, offset + nbytes))
     return runs
 
 

@@ -17,7 +17,7 @@ import torch
 from weight_transfer.backend import dtype_name
 from wt_kits.colocated import SharedSegment
 from wt_kits.slices import FetchKey
-from wt_kits.stream import aligned_layout
+from wt_kits.stream import aligned_layout, floating_runs
 from wt_sharded_rdt.transport import (
     ALIVE_TIMEOUT_S,
     CONTROL_TIMEOUT_S,
@@ -38,22 +38,6 @@ def _ray_get(ref: Any, timeout_s: float, what: str) -> Any:
         return ray.get(ref, timeout=timeout_s)
     except GetTimeoutError:
         raise TimeoutError(f"{what}: no answer within {timeout_s:g}s") from None
-
-
-def _floating_runs(
-    base: torch.Tensor, pieces: Sequence[tuple[torch.dtype, int, int]]
-) -> list[torch.Tensor]:
-    """Views of `base` over the maximal runs of adjacent floating pieces `(dtype,
-    offset, nbytes)` of one dtype (alignment padding ends a run)."""
-    runs: list[tuple[torch.dtype, int, int]] = []
-    for dtype, offset, nbytes in pieces:
-        if not nbytes or not dtype.is_floating_point:
-            continue
-        if runs and runs[-1][0] == dtype and runs[-1][2] == offset:
-            runs[-1] = (dtype, runs[-1][1], offset + nbytes)
-        else:
-            runs.append((dtype, offset, offset + nbytes))
-    return [base[a:b].view(dtype) for dtype, a, b in runs]
 
 
 class RayHost:
@@ -153,7 +137,9 @@ class RayHost:
                 views.append(base[offset : offset + nbytes].view(t.dtype).view(t.shape))
                 layout.append((name, offset, dtype_name(t.dtype), list(t.shape)))
                 pieces.append((t.dtype, offset, nbytes))
-            staged = self.views[key] = Staged(views, _floating_runs(base, pieces))
+            staged = self.views[key] = Staged(
+                views, [base[a:b].view(dt) for dt, a, b in floating_runs(pieces)]
+            )
         with torch.no_grad():
             torch._foreach_copy_(staged.tensors, list(tensors.values()))
         self.staged.append((group, start, layout))
