@@ -1,22 +1,19 @@
 """`RayVLLMWeightSyncClient` against a vLLM `LLM` living in a Ray actor.
 
-The Ray cluster is local, started by this module on 127.0.0.1 with its own
-temporary directory, and shut down afterwards. The trainer (this process)
+The Ray cluster is local (`wt_tools.local_ray`), started by this module on
+127.0.0.1 with its own temporary directory, and shut down afterwards. The trainer (this process)
 reaches the actor's worker over the backend's own loopback group.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from wt_tools.local_ray import local_ray
 
 from tests.vllm.conftest import (
     INITIAL_SEED,
@@ -54,19 +51,10 @@ def ray_cluster() -> Iterator[Any]:
     if ray.is_initialized():
         pytest.skip("a Ray session is already running in this process")
     temp_dir = tempfile.mkdtemp(prefix="wtray")
-    ray.init(
-        _temp_dir=temp_dir,
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        num_cpus=2,
-        log_to_driver=False,
-    )
     try:
-        addresses = {node["NodeManagerAddress"] for node in ray.nodes()}
-        assert addresses == {"127.0.0.1"}, f"Ray is not on loopback only: {addresses}"
-        yield ray
+        with local_ray(temp_dir, num_cpus=2) as cluster:
+            yield cluster
     finally:
-        ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -304,3 +304,73 @@ def test_fsdp2_ranks_send_their_own_shards_without_gathering(cluster: Any) -> No
         cluster.get([r.shutdown.remote() for r in ranks], timeout=60)
         for a in [*ranks, *actors]:
             ray.kill(a)
+
+
+class _Niced:
+    """A Ray actor whose threads are put below the driver's priority (niceness 15, as
+    Ray starts workers by default), then raised by `match_priority`."""
+
+    def lower_then_match(self, driver_pid: int) -> tuple[int, int, int, list[int]]:
+        import os
+
+        from wt_sharded_rdt.ray_actor import match_priority
+
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        started = max(os.getpriority(os.PRIO_PROCESS, t) for t in tids)
+        for tid in tids:
+            os.setpriority(os.PRIO_PROCESS, tid, 15)
+        lowered = max(os.getpriority(os.PRIO_PROCESS, t) for t in tids)
+        highest = match_priority(driver_pid)
+        return started, lowered, highest, [os.getpriority(os.PRIO_PROCESS, t) for t in tids]
+
+
+def test_actors_and_the_producer_run_at_the_trainers_priority(cluster: Any) -> None:
+    """The test cluster's workers run at this process's niceness (Ray's default is 15),
+    and a producer actor below the trainer's priority raises every thread of its own
+    to it (under load, an actor at 15 answered a 20 ms call in 1.3 s)."""
+    import os
+
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    actor = cluster.remote(num_cpus=0)(_Niced).remote()
+    try:
+        started, lowered, highest, threads = cluster.get(
+            actor.lower_then_match.remote(os.getpid()), timeout=60
+        )
+    finally:
+        cluster.kill(actor)
+    assert started == mine
+    assert lowered == 15
+    assert highest == mine and set(threads) == {mine}, threads
+
+
+def test_a_producer_that_may_not_raise_its_priority_reports_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the OS refuses (no `CAP_SYS_NICE`), the threads keep their niceness and
+    `match_priority` returns it, which the trainer's `RayHost` logs as a warning."""
+    import os
+
+    from wt_sharded_rdt.ray_actor import match_priority
+
+    lowered, release = threading.Event(), threading.Event()
+
+    def niced() -> None:
+        os.setpriority(os.PRIO_PROCESS, 0, 15)  # this thread only (Linux)
+        lowered.set()
+        release.wait(30)
+
+    thread = threading.Thread(target=niced)
+    thread.start()
+    try:
+        assert lowered.wait(30)
+
+        def refuse(*args: Any) -> None:
+            raise PermissionError("raising a priority takes CAP_SYS_NICE")
+
+        monkeypatch.setattr(os, "setpriority", refuse)
+        assert match_priority(os.getpid()) == 15
+        monkeypatch.undo()
+        assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == 15
+    finally:
+        release.set()
+        thread.join(30)

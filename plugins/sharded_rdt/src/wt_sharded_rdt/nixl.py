@@ -8,6 +8,7 @@ and hands it each span of groups through shared memory, one call a span;
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,6 +29,8 @@ from wt_sharded_rdt.transport import (
 )
 
 __all__ = ["RayHost", "RayClient"]
+
+logger = logging.getLogger("wt_sharded_rdt")
 
 
 def _ray_get(ref: Any, timeout_s: float, what: str) -> Any:
@@ -88,13 +91,23 @@ class RayHost:
                 os.getpid(),
                 os.getuid(),
             )
-            _ray_get(self.actor.ping.remote(), CONTROL_TIMEOUT_S, f"producer {name} start")
+            niceness = _ray_get(
+                self.actor.started.remote(), CONTROL_TIMEOUT_S, f"producer {name} start"
+            )
         except BaseException:
             for segment in self.segments:
                 segment.close()
             raise
         for segment in self.segments:
             segment.unlink()  # mapped on both sides: nothing stays in /dev/shm
+        if niceness > os.getpriority(os.PRIO_PROCESS, 0):
+            logger.warning(
+                "producer %s runs at niceness %d, below this trainer's priority (%d), and "
+                "may not raise its own: on a busy node its answers slow down and syncs can "
+                "stall. Start Ray's workers at the trainer's niceness (its setting "
+                "worker_niceness, e.g. RAY_worker_niceness=0)",
+                name, niceness, os.getpriority(os.PRIO_PROCESS, 0),
+            )  # fmt: skip
         # (slot, group, start) -> the staging views of the group's tensors
         self.views: dict[tuple[int, int, int], Staged] = {}
         self.begin_sync_state()
