@@ -51,6 +51,7 @@ TEST_DEPS = [
     "pytest-timeout>=2.3",
     "pytest-xdist>=3.5",
     "httpx>=0.27",
+    "py-spy>=0.4",  # a failed test's stacks of every process (tests/stacks.py)
     RAY,
     NIXL,
     "numpy",

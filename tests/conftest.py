@@ -4,7 +4,8 @@ Tests that share something expensive run in one worker process, each group as
 a unit: `vllm` (the in-process engines and the live HTTP servers that
 `tests/vllm` shares) and `ray` (the tests that start a local Ray cluster). Every
 other test, and every extended check, goes to whichever worker is free. Without
-xdist the marks do nothing.
+xdist the marks do nothing. A failed test's report carries the stacks of every
+process the run started (`tests/stacks.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from tests.stacks import pytest_runtest_makereport  # noqa: F401  (a failed test's stacks)
 
 HERE = Path(__file__).parent
 RAY = {
