@@ -8,8 +8,8 @@ plugin takes one `py-spy dump` of this process and of each of its descendants
 Ray's workers) and adds them to the test's report as the section
 `stacks of the run's processes`, which pytest prints with the failure.
 
-Nothing happens where `py-spy` is not installed or may not attach (it needs
-ptrace rights over the processes); the report then says so in one line.
+Where `py-spy` (or `psutil`) is not installed, or may not attach (it needs
+ptrace rights over the processes), the section says so instead.
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ def stacks_of_this_run() -> str:
     spy = py_spy()
     if spy is None:
         return "py-spy is not installed: no stacks taken"
-    import psutil
+    try:
+        import psutil
+    except ImportError:
+        return "psutil is not installed: no stacks taken"
 
     me = psutil.Process()
     processes = [me, *me.children(recursive=True)][:MAX_PROCESSES]
@@ -69,6 +72,6 @@ def stacks_of_this_run() -> str:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
     report = yield
-    if report.failed and call.when == "call" and os.environ.get("WT_TEST_STACKS", "1") != "0":
+    if report.failed and call.when == "call":
         report.sections.append((SECTION, stacks_of_this_run()))
     return report
