@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import subprocess
 import sys
 import time
@@ -25,7 +26,9 @@ waiting_in_a_known_place()
 def test_the_stacks_name_where_each_process_of_the_run_waits() -> None:
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE)
     try:
-        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        assert child.stdout is not None
+        assert select.select([child.stdout], [], [], 30)[0], "the child did not start in 30 s"
+        assert child.stdout.readline() == b"ready\n"
         time.sleep(0.2)  # in its sleep
         text = stacks_of_this_run()
     finally:

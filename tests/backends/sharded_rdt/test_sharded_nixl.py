@@ -9,6 +9,7 @@ bit with a fresh shard loaded the ordinary way.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -311,8 +312,6 @@ class _Niced:
     Ray starts workers by default), then raised by `match_priority`."""
 
     def lower_then_match(self, driver_pid: int) -> tuple[int, int, int, list[int]]:
-        import os
-
         from wt_sharded_rdt.ray_actor import match_priority
 
         tids = [int(t) for t in os.listdir("/proc/self/task")]
@@ -328,8 +327,6 @@ def test_actors_and_the_producer_run_at_the_trainers_priority(cluster: Any) -> N
     """The test cluster's workers run at this process's niceness (Ray's default is 15),
     and a producer actor below the trainer's priority raises every thread of its own
     to it (under load, an actor at 15 answered a 20 ms call in 1.3 s)."""
-    import os
-
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     actor = cluster.remote(num_cpus=0)(_Niced).remote()
     try:
@@ -348,8 +345,6 @@ def test_a_producer_that_may_not_raise_its_priority_reports_it(
 ) -> None:
     """Where the OS refuses (no `CAP_SYS_NICE`), the threads keep their niceness and
     `match_priority` returns it, which the trainer's `RayHost` logs as a warning."""
-    import os
-
     from wt_sharded_rdt.ray_actor import match_priority
 
     lowered, release = threading.Event(), threading.Event()

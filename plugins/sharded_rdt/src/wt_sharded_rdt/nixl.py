@@ -100,13 +100,14 @@ class RayHost:
             raise
         for segment in self.segments:
             segment.unlink()  # mapped on both sides: nothing stays in /dev/shm
-        if niceness > os.getpriority(os.PRIO_PROCESS, 0):
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        if niceness > mine:
             logger.warning(
                 "producer %s runs at niceness %d, below this trainer's priority (%d), and "
                 "may not raise its own: on a busy node its answers slow down and syncs can "
                 "stall. Start Ray's workers at the trainer's niceness (its setting "
                 "worker_niceness, e.g. RAY_worker_niceness=0)",
-                name, niceness, os.getpriority(os.PRIO_PROCESS, 0),
+                name, niceness, mine,
             )  # fmt: skip
         # (slot, group, start) -> the staging views of the group's tensors
         self.views: dict[tuple[int, int, int], Staged] = {}
