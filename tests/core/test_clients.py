@@ -114,13 +114,13 @@ def test_http_client_speaks_the_four_routes(server: Server) -> None:
         ("POST", "/pause?mode=keep", None),
         ("POST", "/update_weights", {"update_info": update}),
         ("POST", "/finish_weight_update", None),
-        ("POST", "/reset_prefix_cache", None),
+        ("POST", "/reset_prefix_cache?reset_running_requests=true", None),
         ("POST", "/resume", None),
         ("POST", "/start_weight_update", None),
         ("POST", "/pause?mode=keep", None),
         ("POST", "/update_weights", {"update_info": {"names": []}}),
         ("POST", "/finish_weight_update", {"weight_version": "step-42"}),
-        ("POST", "/reset_prefix_cache", None),
+        ("POST", "/reset_prefix_cache?reset_running_requests=true", None),
         ("POST", "/resume", None),
     ]
     HTTPVLLMWeightSyncClient(
@@ -359,8 +359,9 @@ class LLMShaped:
     def get_weight_version(self) -> str | None:
         return getattr(self, "version", None)
 
-    def reset_prefix_cache(self) -> None:
-        self.calls.append(("reset_prefix_cache", None))
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        self.calls.append(("reset_prefix_cache", reset_running_requests))
+        return True
 
 
 def test_local_client_drives_an_in_process_worker_end_to_end(tmp_path: Path) -> None:
@@ -384,6 +385,7 @@ def test_local_client_drives_an_in_process_worker_end_to_end(tmp_path: Path) -> 
     assert {n: digest(t) for n, t in worker_model.received.items()} == expected_digests(model)
     calls = [c for c, _ in llm.calls]
     assert calls == ["init", "start", "update", "update", "finish", "reset_prefix_cache"]
+    assert llm.calls[-1] == ("reset_prefix_cache", True)  # kept requests' blocks too
     assert llm.calls[3][1] is not None and SEAL_FIELD in llm.calls[3][1]  # the trainer's seal
     assert llm.calls[0][1]["directory"] == str(tmp_path)
     assert llm.calls[2][1]["names"] == names

@@ -59,6 +59,58 @@ def test_three_rounds_match_fresh_engines(
     ]
 
 
+MID_LENGTH, MID_BOUNDARY = 24, 9  # output tokens of the stepped request; the round after
+
+
+def test_a_round_mid_generation_switches_tokens_and_version_at_one_token(
+    served: ServedEngines, references: References
+) -> None:
+    """A round under `pause="keep"` after `MID_BOUNDARY` tokens of a greedy generation
+    (the engine stepped by hand, so the round lands at a known token): the output's
+    spans name the old version up to the boundary and the new one after it; the
+    tokens before it are the old weights' greedy continuation, those after it a
+    fresh engine's continuation on the new weights."""
+    from vllm import SamplingParams
+
+    engine = served("nccl")
+    old, new = engine.seed, 3 if engine.seed == 2 else 2
+    engine.sync(old, version="mid-old")
+    params = SamplingParams(temperature=0.0, max_tokens=MID_LENGTH, ignore_eos=True)
+    core = engine.llm.llm_engine
+    core.add_request("mid-round", PROMPTS[1], params)
+
+    def step_until(done: Any) -> Any:
+        for _ in range(4 * MID_LENGTH):
+            outputs = core.step()
+            if outputs and done(outputs[-1]):
+                return outputs[-1]
+        raise AssertionError(f"no output satisfied {done} in {4 * MID_LENGTH} steps")
+
+    before = step_until(lambda out: len(out.outputs[0].token_ids) >= MID_BOUNDARY)
+    boundary = len(before.outputs[0].token_ids)
+    assert boundary == MID_BOUNDARY, "a step made more than one token"
+    engine.sync(new, version="mid-new")  # pauses with the request kept, resumes it
+    done = step_until(lambda out: out.finished)
+    tokens, prompt = list(done.outputs[0].token_ids), list(done.prompt_token_ids)
+    assert [(s.version, s.start, s.end) for s in done.outputs[0].weight_versions] == [
+        ("mid-old", 0, boundary),
+        ("mid-new", boundary, MID_LENGTH),
+    ]
+
+    def greedy(seed: int, prompt_ids: list[int], count: int) -> list[int]:
+        references.outputs(seed)  # starts the seed's fresh engine
+        params = SamplingParams(temperature=0.0, max_tokens=count, ignore_eos=True)
+        (out,) = references.engines[seed].generate(
+            {"prompt_token_ids": prompt_ids}, params, use_tqdm=False
+        )
+        return list(out.outputs[0].token_ids)
+
+    assert tokens[:boundary] == greedy(old, prompt, boundary)
+    rest = prompt + tokens[:boundary], MID_LENGTH - boundary
+    assert tokens[boundary:] == greedy(new, *rest)
+    assert tokens[boundary:] != greedy(old, *rest), "the two weights agree: the test shows nothing"
+
+
 def _bad_sources(seed: int) -> dict[str, tuple[Any, str]]:
     """Sources that agree with their own metadata but not with the model, and the
     name each error must mention."""

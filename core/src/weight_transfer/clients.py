@@ -20,7 +20,8 @@ starting its own). `pause` is the policy for requests in flight, vLLM's
 `PauseMode`:
 
 - `"keep"` (the default): in-flight requests are frozen and continue on the
-  new weights after the resume; nothing fails, nothing is recomputed twice;
+  new weights after the resume (their KV recomputed once, on the new weights);
+  nothing fails;
 - `"wait"`: the round starts once in-flight requests have finished;
 - `"abort"`: in-flight requests are aborted;
 - `None`: no pause (the caller guarantees no request runs during a round).
@@ -31,8 +32,12 @@ rolls the round back and resumes generation itself (`WeightTransferEngine`,
 next round resumes it, or an operator's `resume_generation()`.
 
 After a successful `finish_weight_update` each client resets the engine's
-prefix cache (`reset_prefix_cache=True`, the default): cached KV blocks were
-computed with the old weights, and a request sharing a prefix would reuse them.
+KV cache (`reset_prefix_cache=True`, the default), running requests' blocks
+included (vLLM's `reset_running_requests`): every block was computed with the
+old weights. A request sharing a cached prefix would reuse them, and a request
+kept across the round (`"keep"`, or any request under `None`) is preempted and
+recomputed, so its tokens after the round are a fresh engine's continuation on
+the new weights. A reset the engine refuses raises `WeightSyncRPCError`.
 
 `httpx`, `ray` and `vllm` are imported only when the matching client is created.
 """
@@ -258,7 +263,7 @@ class _PausingClient:
             self._call("finish_weight_update", weight_version=weight_version)
 
     def _reset_prefix_cache(self) -> None:
-        self._call("reset_prefix_cache")
+        self._call("reset_prefix_cache", reset_running_requests=True)
 
     def shutdown_weight_transfer_engine(self) -> None:
         """Release every worker's trainer connection; inference goes on, and the
@@ -398,7 +403,7 @@ class HTTPVLLMWeightSyncClient(_PausingClient):
         self._request("POST", "/resume")
 
     def _reset_prefix_cache(self) -> None:
-        self._request("POST", "/reset_prefix_cache")
+        self._request("POST", "/reset_prefix_cache?reset_running_requests=true")
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._request("POST", "/init_weight_transfer_engine", {"init_info": init_info})

@@ -19,9 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from wt_tools.local_ray import LOOPBACK_ENV, local_ray, set_loopback_env
-
-set_loopback_env()
+from wt_tools.local_ray import LOOPBACK_ENV, local_ray
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # The actors import this checkout (and whatever this process has on its path first).
