@@ -5,8 +5,10 @@ a unit: `vllm` (the in-process engines and the live HTTP servers that
 `tests/vllm` shares) and `ray` (the tests that start a local Ray cluster). Every
 other test, and every extended check, goes to whichever worker is free. Without
 xdist the marks do nothing. A failed test's report carries the stacks of every
-process the run started (`tests/stacks.py`). Ray is held to loopback before
-any test module imports it (vLLM does, at import), whichever modules run.
+process the run started (`tests/stacks.py`); a test past its timeout writes
+them and stops those processes before its worker exits (`tests/hangs.py`).
+Ray is held to loopback before any test module imports it (vLLM does, at
+import), whichever modules run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 from wt_tools.local_ray import set_loopback_env
 
+from tests.hangs import pytest_timeout_set_timer  # noqa: F401  (a hung test's stacks, cleanup)
 from tests.stacks import pytest_runtest_makereport  # noqa: F401  (a failed test's stacks)
 
 set_loopback_env()
