@@ -86,11 +86,14 @@ def test_a_round_mid_generation_switches_tokens_and_version_at_one_token(
                 return outputs[-1]
         raise AssertionError(f"no output satisfied {done} in {4 * MID_LENGTH} steps")
 
-    before = step_until(lambda out: len(out.outputs[0].token_ids) >= MID_BOUNDARY)
-    boundary = len(before.outputs[0].token_ids)
-    assert boundary == MID_BOUNDARY, "a step made more than one token"
-    engine.sync(new, version="mid-new")  # pauses with the request kept, resumes it
-    done = step_until(lambda out: out.finished)
+    try:
+        before = step_until(lambda out: len(out.outputs[0].token_ids) >= MID_BOUNDARY)
+        boundary = len(before.outputs[0].token_ids)
+        assert boundary == MID_BOUNDARY, "a step made more than one token"
+        engine.sync(new, version="mid-new")  # pauses with the request kept, resumes it
+        done = step_until(lambda out: out.finished)
+    finally:
+        core.abort_request(["mid-round"])  # a no-op once it finished
     tokens, prompt = list(done.outputs[0].token_ids), list(done.prompt_token_ids)
     assert [(s.version, s.start, s.end) for s in done.outputs[0].weight_versions] == [
         ("mid-old", 0, boundary),
