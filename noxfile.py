@@ -91,12 +91,13 @@ def tests(session: nox.Session) -> None:
     a third was faster but held both cores at 100%, and live tests failed their
     timing under it); one OpenMP thread per process: on two
     cores, several processes' spinning OpenMP threads starve each other (a tiny
-    model's forward took 30+ s).
+    model's forward took 30+ s). The 15 slowest phases are listed at the end:
+    where the suite's time goes, in every CI log.
     """
     install_stack(session, *TEST_DEPS, local=tuple(INTEGRATIONS))
     args = session.posargs or ["tests", "-m", "not extended"]
     env = {"OMP_NUM_THREADS": "1", **BYTECODE}
-    session.run("pytest", "-n", "2", "--dist", "loadgroup", *args, env=env)
+    session.run("pytest", "-n", "2", "--dist", "loadgroup", "--durations=15", *args, env=env)
 
 
 @nox.session
