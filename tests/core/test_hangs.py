@@ -11,22 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.core.test_stacks import CHILD
 from tests.stacks import py_spy
 
 psutil = pytest.importorskip("psutil")
 REPO = Path(__file__).resolve().parents[2]
 
-HUNG_TEST = """
+HUNG_TEST = f"""
 import subprocess, sys, time
 
-CHILD = '''
-import time
-
-def waiting_in_a_known_place():
-    time.sleep(120)
-
-waiting_in_a_known_place()
-'''
+CHILD = {CHILD!r}
 
 def test_that_hangs():
     child = subprocess.Popen([sys.executable, "-c", CHILD], start_new_session=True)
