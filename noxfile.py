@@ -124,8 +124,9 @@ def wheels(session: nox.Session) -> None:
     """
     dist = Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    for d in [*DISTRIBUTIONS, *INTEGRATIONS]:
-        session.run("pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(dist), d)
+    session.run(
+        "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(dist), *DISTRIBUTIONS, *INTEGRATIONS
+    )
     session.log("built: " + ", ".join(sorted(p.name for p in dist.glob("*.whl"))))
     check = ROOT / "tests" / "wheel_check.py"
     venv = Path(session.create_tmp()) / "venv-wheels"

@@ -8,11 +8,14 @@ xdist the marks do nothing. A failed test's report carries the stacks of every
 process the run started (`tests/stacks.py`); a test past its timeout writes
 them and stops those processes before its worker exits (`tests/hangs.py`).
 Ray is held to loopback before any test module imports it (vLLM does, at
-import), whichever modules run.
+import), whichever modules run. vLLM's CPU workers are left unbound
+(`VLLM_CPU_OMP_THREADS_BIND=nobind`) unless a test binds them: bound
+automatically, every one-worker engine of the run lands on core 0.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,12 @@ from tests.hangs import pytest_timeout_set_timer  # noqa: F401  (a hung test's s
 from tests.stacks import pytest_runtest_makereport  # noqa: F401  (a failed test's stacks)
 
 set_loopback_env()
+# vLLM-cpu binds a worker's OpenMP threads itself ("auto"): every one-worker engine the
+# tests start (API servers, engines in Ray actors) went to core 0, so two live
+# servers shared one core while the other served the rest of the run, and a server's
+# worker starved behind its neighbour: rounds and requests waited 10 to 100 s. Unbound,
+# the OS places them; a test that needs a binding (tensor parallel) sets it.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 HERE = Path(__file__).parent
 RAY = {

@@ -21,7 +21,9 @@ order, each a named function that prints its tables and returns its figures
 Then the goals (`wt_tools.goals`, one definition each) are checked against
 the run's figures (`wt_tools.report`). Figures are medians of interleaved
 rounds; ratios are against references timed in the same run. Results go to
-stdout and `--out` (JSON, Markdown, PNG).
+stdout and `--out` (JSON, Markdown, PNG). `--blocks` runs some blocks only;
+`--merge` reports the blocks of several such runs together (the CI's smoke
+run runs two halves at once).
 """
 
 from __future__ import annotations
@@ -187,6 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench-results", help="folder for JSON, Markdown, PNG")
     parser.add_argument("--no-live", action="store_true", help="transport scenarios only")
     parser.add_argument(
+        "--blocks",
+        default=",".join(b.key for b in BLOCKS),
+        help="the blocks to run, comma-separated (default: all); the others are not measured",
+    )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="DIR",
+        help="no run: report the blocks of earlier runs' DIR/bench.json together (each block "
+        "from the first run that measured it) into --out",
+    )
+    parser.add_argument(
         "--model-cluster",
         action="store_true",
         help="only the cost model's cluster predictions, calibrated from OUT/bench.json",
@@ -201,6 +215,14 @@ def main(argv: list[str] | None = None) -> int:
         calibration = cost_model.calibrate(report.load(json_path))
         print(report.cluster_table(cost_model.predict(calibration), calibration))
         return 0
+    if args.merge:
+        write_report(merged([os.path.join(d, "bench.json") for d in args.merge]), args.out)
+        return 0
+    chosen = set(args.blocks.split(","))
+    unknown = chosen - {b.key for b in BLOCKS}
+    if unknown:
+        known = ", ".join(b.key for b in BLOCKS)
+        parser.error(f"--blocks: no block {', '.join(sorted(unknown))} (the blocks: {known})")
     work = tempfile.mkdtemp(prefix="wt-bench-")
     atexit.register(shutil.rmtree, work, True)  # the checkpoints are scratch
     settings = Settings(
@@ -212,28 +234,59 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"quick": settings.quick, "repeats": settings.repeats}
     ray_started = False
     for block in BLOCKS:
-        if block.live and args.no_live:
+        if block.key not in chosen or (block.live and args.no_live):
             results[block.key] = None
             continue
         if block.ray and not ray_started:
             start_local_ray(work)
             ray_started = True
         results[block.key] = block.run(settings)
+    write_report(results, args.out)
+    return 0
+
+
+def merged(paths: list[str]) -> dict[str, Any]:
+    """One run's results from several `bench.json`: each block from the first that
+    measured it. Runs of different settings (`quick`, `repeats`) are refused."""
+    from wt_tools import report
+
+    runs = []
+    for path in paths:
+        run = report.load(path)
+        if run is None:
+            raise SystemExit(f"wt bench --merge: no {path}")
+        runs.append(run)
+    settings = {(run["quick"], run["repeats"]) for run in runs}
+    if len(settings) > 1:
+        raise SystemExit(
+            f"wt bench --merge: runs of different settings (quick, repeats): {settings}"
+        )
+    results: dict[str, Any] = {"quick": runs[0]["quick"], "repeats": runs[0]["repeats"]}
+    for block in BLOCKS:
+        results[block.key] = next((r[block.key] for r in runs if r.get(block.key)), None)
+    return results
+
+
+def write_report(results: dict[str, Any], out: str) -> None:
+    """The cost model and the goals of `results`, then `out`/bench.json, bench.md and
+    the plots; the summary is printed."""
+    from wt_tools import cost_model, report
+
     calibration = cost_model.calibrate(results)
     results["cost_model"] = {
         "calibration": calibration,
         "predictions": cost_model.predict(calibration),
     }
     results["targets"] = report.targets(results)
+    json_path = os.path.join(out, "bench.json")
     with open(json_path, "w") as f:
         json.dump(results, f, indent=2)
     markdown = report.markdown(results)
-    with open(os.path.join(args.out, "bench.md"), "w") as f:
+    with open(os.path.join(out, "bench.md"), "w") as f:
         f.write(markdown)
-    plots = report.plots(results, args.out)
+    plots = report.plots(results, out)
     print("\n" + markdown)
-    print(f"written: {json_path}, {os.path.join(args.out, 'bench.md')}, " + ", ".join(plots))
-    return 0
+    print(f"written: {json_path}, {os.path.join(out, 'bench.md')}, " + ", ".join(plots))
 
 
 if __name__ == "__main__":

@@ -107,10 +107,10 @@ def calibrate(results: dict[str, Any] | None) -> dict[str, float]:
     out = dict(DEFAULTS)
     if not results:
         return out
-    moe = [s for s in results.get("scenarios", []) if s["scenario"].startswith("MoE")]
+    moe = [s for s in (results.get("scenarios") or []) if s["scenario"].startswith("MoE")]
     if moe:
         out["per_tensor_s"] = moe[-1]["references"]["trainer_overhead_per_param_us"] * 1e-6
-    dense = [s for s in results.get("scenarios", []) if s["scenario"].startswith("dense")]
+    dense = [s for s in (results.get("scenarios") or []) if s["scenario"].startswith("dense")]
     live = results.get("live")
     if live and dense:
         rows = {r["id"]: r for r in live["rows"]}

@@ -44,7 +44,7 @@ def _scenario(
     """The largest (by `key`) scenario named `prefix`..., among those that ran `mode`."""
     found = [
         s
-        for s in results["scenarios"]
+        for s in (results.get("scenarios") or [])
         if s["scenario"].startswith(prefix) and (mode is None or _mode(s, mode) is not None)
     ]
     return max(found, key=lambda s: s[key]) if found else None
@@ -107,7 +107,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             verified.get("scenario", "dense"),
         )
     worst = None
-    for sc in results["scenarios"]:
+    for sc in results.get("scenarios") or []:
         for m in sc["modes"]:
             if m["staging_bytes"]:
                 extra = max(m["peak_extra_trainer_bytes"], m["peak_extra_worker_bytes"])
@@ -220,7 +220,7 @@ def markdown(results: dict[str, Any]) -> str:
         "peak extra MB (trainer / worker) |"
     )
     out.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for s in results["scenarios"]:
+    for s in results.get("scenarios") or []:
         ref = s["references"]
         out.append(
             f"| {s['scenario']} | memcpy / bare broadcast | {ref['memcpy_s']:.3f} / "
@@ -243,7 +243,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| | trainer overhead per parameter | {ref['trainer_overhead_per_param_us']:.1f} us "
             f"({s['params']} params) | | | | | |"
         )
-    out += counts_table(results["scenarios"])
+    out += counts_table(results.get("scenarios") or [])
     digest = results.get("digest")
     if digest:
         out += ["", "## Verified bytes: the digest alone (`wt_tools.digest_bench`)", ""]
@@ -359,7 +359,7 @@ def plots(results: dict[str, Any], folder: str) -> list[str]:
         print("matplotlib is not installed: no plots")
         return []
     written: list[str] = []
-    one_worker = [s for s in results["scenarios"] if s["workers"] == 1]
+    one_worker = [s for s in (results.get("scenarios") or []) if s["workers"] == 1]
 
     def line_plot(key: str, xlabel: str, name: str, scenarios: list[dict[str, Any]]) -> None:
         if not scenarios:
@@ -390,7 +390,7 @@ def plots(results: dict[str, Any], folder: str) -> list[str]:
     line_plot("bytes", "model bytes", "time_vs_size.png",
               [s for s in one_worker if s["scenario"].startswith("dense")])  # fmt: skip
     line_plot("params", "parameters (tensors)", "time_vs_params.png", one_worker)
-    for i, s in enumerate(results["scenarios"]):
+    for i, s in enumerate(results.get("scenarios") or []):
         fig, ax = plt.subplots(figsize=(7, 3.5))
         names = ["memcpy", "bare broadcast", *(m["mode"] for m in s["modes"])]
         values = [s["references"]["memcpy_s"], s["references"]["bare_broadcast_s"],
