@@ -109,9 +109,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    session.install(TORCH)
-    session.install(MYPY, "pluggy", "httpx")
-    session.install("--no-deps", *(f"-e{d}" for d in [*DISTRIBUTIONS, *INTEGRATIONS]))
+    session.install(NO_COMPILE, TORCH)
+    session.install(MYPY, "pluggy", "httpx", HATCHLING, "editables")
+    editables = (f"-e{d}" for d in [*DISTRIBUTIONS, *INTEGRATIONS])
+    session.install("--no-deps", "--no-build-isolation", *editables)
     session.run("mypy", *SOURCES)
 
 
@@ -124,16 +125,16 @@ def wheels(session: nox.Session) -> None:
     """
     dist = Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    session.run(
-        "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(dist), *DISTRIBUTIONS, *INTEGRATIONS
-    )
+    session.install(HATCHLING)
+    build = ("pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--wheel-dir", str(dist))
+    session.run(*build, *DISTRIBUTIONS, *INTEGRATIONS)
     session.log("built: " + ", ".join(sorted(p.name for p in dist.glob("*.whl"))))
     check = ROOT / "tests" / "wheel_check.py"
     venv = Path(session.create_tmp()) / "venv-wheels"
     shutil.rmtree(venv, ignore_errors=True)
     session.run("python", "-m", "venv", str(venv))
     py = str(venv / "bin" / "python")
-    session.run(py, "-m", "pip", "install", "-q", TORCH, external=True)
+    session.run(py, "-m", "pip", "install", "-q", NO_COMPILE, TORCH, external=True)
     for wanted in ([], ["wt-nccl"]):
         session.run(
             py, "-m", "pip", "install", "-q", "--find-links", str(dist), "wt-core", *wanted,
