@@ -1,7 +1,7 @@
 """`wt bench --quick`: the CI smoke run of the benchmark (every figure produced, not how fast).
 
-The blocks run in two halves at once (`--blocks`), then one report is made of both (`--merge`):
-the halves take about as long each, so the smoke run takes about half of one whole run."""
+The blocks run in two halves of about equal length at once (`--blocks`), then one report is made
+of both (`--merge`)."""
 
 from __future__ import annotations
 
