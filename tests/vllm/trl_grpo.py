@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+import zlib
 
 import httpx
 import torch
@@ -57,8 +58,11 @@ model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 dataset = Dataset.from_dict({"prompt": [" ".join(f"w{i + j}" for j in range(5)) for i in range(8)]})
 
 
-def length(completions, **kwargs):  # completions of 8 words differ in characters
-    return [len(c) / 10.0 for c in completions]
+def distinct(completions, **kwargs):
+    """Distinct completions get distinct rewards, so no group's advantages are all zero
+    and every step changes the weights (equal rewards, such as lengths, left a step
+    without an update now and then, and the tests' "the weights moved" checks failed)."""
+    return [zlib.crc32(c.encode()) / 2**32 for c in completions]
 
 
 args = GRPOConfig(
@@ -84,7 +88,7 @@ args = GRPOConfig(
 )
 trainer = GRPOTrainer(
     model=model,
-    reward_funcs=length,
+    reward_funcs=distinct,
     args=args,
     train_dataset=dataset,
     processing_class=tokenizer,
