@@ -6,6 +6,18 @@ need a live server of the same backend share it: `servers("nccl", 2)` is the
 fleet's two replicas, and `servers("nccl")[0]`, the first of them, is
 `test_http.py`'s server. A shared server serves whatever the last round sent
 it; a test syncs before it checks what a server serves.
+
+A one-worker server runs its engine's worker inside the engine core process
+(vLLM's `uni` executor, as vLLM runs a one-GPU engine); the API server and the
+engine core are separate processes, as deployed. vLLM's CPU build would give
+the worker a process of its own (`mp`): one more torch and vLLM import per
+start (about 10 s of CPU), and two more processes (the worker and the engine
+core waiting on it) spinning on `sched_yield` for a second after every step.
+On two cores that spinning slowed everything running beside a busy server
+(the suite took 9:50 with one worker process per server, 7:49 without). A
+tensor-parallel server has worker processes, as in vLLM; the extended checks'
+live tensor-parallel servers are where wt's engine-core socket (a worker in a
+process of its own, `weight_transfer.vllm.serving`) runs live.
 """
 
 from __future__ import annotations
@@ -70,7 +82,8 @@ class Server:
 
     def _launch(self) -> None:
         env = dict(os.environ)
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs as deployed
+        # "0": vLLM's CPU build keeps a one-worker engine's worker in the engine core (`uni`)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.tensor_parallel_size > 1 else "0"
         # One OpenMP thread: on two cores, the spinning OpenMP threads of several processes
         # starve each other (a tiny model's forward took 30+ s behind a busy neighbour).
         env.update(VLLM_SERVER_DEV_MODE="1", VLLM_HOST_IP="127.0.0.1", OMP_NUM_THREADS="1")

@@ -219,8 +219,9 @@ def test_ray_async_llm_actor_sync(
     """A real `AsyncLLM` reads `request.init_info` / `request.update_info`: the
     client must send request objects, and it pauses through `pause_generation`."""
     require_backend(BACKEND)
-    env = {k: v for k, v in ACTOR_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    actor_cls = ray_cluster.remote(num_cpus=1, runtime_env={"env_vars": env})(
+    # `AsyncLLM` starts its engine core process whatever the setting; the setting's "0"
+    # keeps the worker inside it (vLLM's `uni` executor), as in a one-GPU engine
+    actor_cls = ray_cluster.remote(num_cpus=1, runtime_env={"env_vars": ACTOR_ENV})(
         _async_llm_actor_class()
     )
     actor = actor_cls.remote(
