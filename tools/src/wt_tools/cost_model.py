@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from wt_tools.report import scenarios
+
 __all__ = ["Setup", "SETUPS", "calibrate", "predict", "DEFAULTS"]
 
 # Used where this run has no figure (say, --no-live): typical of these machines.
@@ -107,10 +109,10 @@ def calibrate(results: dict[str, Any] | None) -> dict[str, float]:
     out = dict(DEFAULTS)
     if not results:
         return out
-    moe = [s for s in (results.get("scenarios") or []) if s["scenario"].startswith("MoE")]
+    moe = [s for s in scenarios(results) if s["scenario"].startswith("MoE")]
     if moe:
         out["per_tensor_s"] = moe[-1]["references"]["trainer_overhead_per_param_us"] * 1e-6
-    dense = [s for s in (results.get("scenarios") or []) if s["scenario"].startswith("dense")]
+    dense = [s for s in scenarios(results) if s["scenario"].startswith("dense")]
     live = results.get("live")
     if live and dense:
         rows = {r["id"]: r for r in live["rows"]}

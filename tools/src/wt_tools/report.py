@@ -21,6 +21,7 @@ __all__ = [
     "markdown",
     "plots",
     "load",
+    "scenarios",
     "cluster_table",
     "counts_table",
     "digest_table",
@@ -34,6 +35,11 @@ def load(path: str) -> dict[str, Any] | None:
         return dict(json.load(f))
 
 
+def scenarios(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's scenario rows: none where the run left that block out (`--blocks`)."""
+    return list(results.get("scenarios") or [])
+
+
 def _mode(scenario: dict[str, Any], name: str) -> dict[str, Any] | None:
     return next((m for m in scenario["modes"] if m["mode"] == name), None)
 
@@ -44,7 +50,7 @@ def _scenario(
     """The largest (by `key`) scenario named `prefix`..., among those that ran `mode`."""
     found = [
         s
-        for s in (results.get("scenarios") or [])
+        for s in scenarios(results)
         if s["scenario"].startswith(prefix) and (mode is None or _mode(s, mode) is not None)
     ]
     return max(found, key=lambda s: s[key]) if found else None
@@ -107,7 +113,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             verified.get("scenario", "dense"),
         )
     worst = None
-    for sc in results.get("scenarios") or []:
+    for sc in scenarios(results):
         for m in sc["modes"]:
             if m["staging_bytes"]:
                 extra = max(m["peak_extra_trainer_bytes"], m["peak_extra_worker_bytes"])
@@ -169,7 +175,7 @@ def cluster_table(predictions: list[dict[str, Any]], calibration: dict[str, floa
     return "\n".join(lines)
 
 
-def counts_table(scenarios: list[dict[str, Any]]) -> list[str]:
+def counts_table(rows: list[dict[str, Any]]) -> list[str]:
     """Each mode's counted warm round (`wt_tools.costs`) as Markdown lines."""
     lines = [
         "",
@@ -180,7 +186,7 @@ def counts_table(scenarios: list[dict[str, Any]]) -> list[str]:
         "allocations | worker unpack: ops, bytes copied, allocations |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for s in scenarios:
+    for s in rows:
         for m in s["modes"]:
             c = m.get("counts")
             if not c:
@@ -220,7 +226,7 @@ def markdown(results: dict[str, Any]) -> str:
         "peak extra MB (trainer / worker) |"
     )
     out.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for s in results.get("scenarios") or []:
+    for s in scenarios(results):
         ref = s["references"]
         out.append(
             f"| {s['scenario']} | memcpy / bare broadcast | {ref['memcpy_s']:.3f} / "
@@ -243,7 +249,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| | trainer overhead per parameter | {ref['trainer_overhead_per_param_us']:.1f} us "
             f"({s['params']} params) | | | | | |"
         )
-    out += counts_table(results.get("scenarios") or [])
+    out += counts_table(scenarios(results))
     digest = results.get("digest")
     if digest:
         out += ["", "## Verified bytes: the digest alone (`wt_tools.digest_bench`)", ""]
@@ -359,21 +365,19 @@ def plots(results: dict[str, Any], folder: str) -> list[str]:
         print("matplotlib is not installed: no plots")
         return []
     written: list[str] = []
-    one_worker = [s for s in (results.get("scenarios") or []) if s["workers"] == 1]
+    one_worker = [s for s in scenarios(results) if s["workers"] == 1]
 
-    def line_plot(key: str, xlabel: str, name: str, scenarios: list[dict[str, Any]]) -> None:
-        if not scenarios:
+    def line_plot(key: str, xlabel: str, name: str, rows: list[dict[str, Any]]) -> None:
+        if not rows:
             return
-        scenarios = sorted(scenarios, key=lambda s: s[key])
+        rows = sorted(rows, key=lambda s: s[key])
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        modes = sorted({m["mode"] for s in scenarios for m in s["modes"]})
+        modes = sorted({m["mode"] for s in rows for m in s["modes"]})
         for mode in modes:
-            pts = [
-                (s[key], m["median_s"]) for s in scenarios for m in s["modes"] if m["mode"] == mode
-            ]
+            pts = [(s[key], m["median_s"]) for s in rows for m in s["modes"] if m["mode"] == mode]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
         for ref, style in (("bare_broadcast_s", "k--"), ("memcpy_s", "k:")):
-            ax.plot([s[key] for s in scenarios], [s["references"][ref] for s in scenarios], style,
+            ax.plot([s[key] for s in rows], [s["references"][ref] for s in rows], style,
                     label=ref.removesuffix("_s").replace("_", " "))  # fmt: skip
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -390,7 +394,7 @@ def plots(results: dict[str, Any], folder: str) -> list[str]:
     line_plot("bytes", "model bytes", "time_vs_size.png",
               [s for s in one_worker if s["scenario"].startswith("dense")])  # fmt: skip
     line_plot("params", "parameters (tensors)", "time_vs_params.png", one_worker)
-    for i, s in enumerate(results.get("scenarios") or []):
+    for i, s in enumerate(scenarios(results)):
         fig, ax = plt.subplots(figsize=(7, 3.5))
         names = ["memcpy", "bare broadcast", *(m["mode"] for m in s["modes"])]
         values = [s["references"]["memcpy_s"], s["references"]["bare_broadcast_s"],
