@@ -14,7 +14,7 @@ the worker a process of its own (`mp`): one more torch and vLLM import per
 start (about 10 s of CPU), and two more processes (the worker and the engine
 core waiting on it) spinning on `sched_yield` for a second after every step.
 On two cores that spinning slowed everything running beside a busy server
-(the suite took 9:50 with one worker process per server, 7:49 without). A
+(decision 81 has the figures). A
 tensor-parallel server has worker processes, as in vLLM; the extended checks'
 live tensor-parallel servers are where wt's engine-core socket (a worker in a
 process of its own, `weight_transfer.vllm.serving`) runs live.
