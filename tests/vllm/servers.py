@@ -11,13 +11,12 @@ A one-worker server runs its engine's worker inside the engine core process
 (vLLM's `uni` executor, as vLLM runs a one-GPU engine); the API server and the
 engine core are separate processes, as deployed. vLLM's CPU build would give
 the worker a process of its own (`mp`): one more torch and vLLM import per
-start (about 10 s of CPU), and two more processes (the worker and the engine
-core waiting on it) spinning on `sched_yield` for a second after every step.
-On two cores that spinning slowed everything running beside a busy server
-(decision 81 has the figures). A
-tensor-parallel server has worker processes, as in vLLM; the extended checks'
-live tensor-parallel servers are where wt's engine-core socket (a worker in a
-process of its own, `weight_transfer.vllm.serving`) runs live.
+start (about 10 s of CPU), and two processes (the worker and the engine core
+waiting on it) spinning on `sched_yield` for a second after every step. On two
+cores that spinning slowed everything running beside a busy server (decision
+81 has the figures). A tensor-parallel server has worker processes, as in
+vLLM: the extended checks' tensor-parallel servers are where wt's engine-core
+socket (`weight_transfer.vllm.serving`) runs live.
 """
 
 from __future__ import annotations
