@@ -53,7 +53,8 @@ def _group(path: Path) -> str | None:
 def pytest_itemcollected(item: pytest.Item) -> None:
     """Mark each item as it is collected, before xdist reads the marks into its groups.
     The extended checks share no engine (each starts what it runs), so they are left
-    to whichever worker is free."""
+    to whichever worker is free, but for the tensor-parallel server's check, which runs
+    after the bench on the bench's worker (group `bench`, marked in the two modules)."""
     group = _group(item.path)
     if group is not None and item.get_closest_marker("extended") is None:
         item.add_marker(pytest.mark.xdist_group(group))

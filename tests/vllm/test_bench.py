@@ -23,6 +23,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.extended,
     pytest.mark.timeout(570),
+    pytest.mark.xdist_group("bench"),  # its worker runs the tensor-parallel server after it
 ]
 
 MODES = {
