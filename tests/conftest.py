@@ -8,15 +8,19 @@ xdist the marks do nothing. A failed test's report carries the stacks of every
 process the run started (`tests/stacks.py`); a test past its timeout writes
 them and stops those processes before its worker exits (`tests/hangs.py`).
 Ray is held to loopback before any test module imports it (vLLM does, at
-import), whichever modules run. vLLM's CPU workers are left unbound
-(`VLLM_CPU_OMP_THREADS_BIND=nobind`) unless a test binds them: bound
-automatically, every one-worker engine of the run lands on core 0.
+import), whichever modules run; the `ray` group's modules share one loopback
+cluster (`ray_cluster`: one start, not one per module, each about 8 s).
+vLLM's CPU workers are left unbound (`VLLM_CPU_OMP_THREADS_BIND=nobind`)
+unless a test binds them: bound automatically, every one-worker engine of
+the run lands on core 0.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from wt_tools.local_ray import set_loopback_env
@@ -41,6 +45,11 @@ RAY = {
 }
 
 
+# The extended checks that run one after another on one worker: the bench, then the
+# tensor-parallel server (`tests/vllm/test_bench.py`, `tests/vllm/test_http.py`).
+BENCH_WORKER = pytest.mark.xdist_group("bench")
+
+
 def _group(path: Path) -> str | None:
     relative = path.relative_to(HERE.parent).as_posix()
     if relative in RAY:
@@ -54,7 +63,19 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     """Mark each item as it is collected, before xdist reads the marks into its groups.
     The extended checks share no engine (each starts what it runs), so they are left
     to whichever worker is free, but for the tensor-parallel server's check, which runs
-    after the bench on the bench's worker (group `bench`, marked in the two modules)."""
+    after the bench on the bench's worker (`BENCH_WORKER`, marked in the two modules)."""
     group = _group(item.path)
     if group is not None and item.get_closest_marker("extended") is None:
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    """The `ray` module, connected to one loopback cluster for the session
+    (`tests/backends/sharded_rdt/ray_parts.py`); every module of the `ray` group uses it.
+    A test kills the actors it starts."""
+    pytest.importorskip("ray")
+    from tests.backends.sharded_rdt.ray_parts import ray_cluster as loopback_cluster
+
+    with loopback_cluster() as ray:
+        yield ray

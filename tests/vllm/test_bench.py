@@ -17,13 +17,15 @@ from wt_tools.bench import BLOCKS as BENCH_BLOCKS
 from wt_tools.goals import GOALS
 from wt_tools.live_bench import BLOCKS
 
+from tests.conftest import BENCH_WORKER
+
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.ray,
     pytest.mark.slow,
     pytest.mark.extended,
     pytest.mark.timeout(570),
-    pytest.mark.xdist_group("bench"),  # its worker runs the tensor-parallel server after it
+    BENCH_WORKER,  # its worker runs the tensor-parallel server after it
 ]
 
 MODES = {

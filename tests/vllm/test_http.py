@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import BENCH_WORKER
 from tests.vllm.conftest import (
     INITIAL_SEED,
     PROMPTS,
@@ -316,7 +317,7 @@ def test_http_a_trainer_killed_at_any_point_of_a_sync_never_leaves_the_server_pa
 # processes importing vLLM, each worker on one core) went past the 240 s it is given on a
 # slowed host, twice in a row (the whole check took 250 s there on a normal one, 54 s after).
 @pytest.mark.extended
-@pytest.mark.xdist_group("bench")
+@BENCH_WORKER
 def test_http_a_trainer_killed_after_its_pause_never_leaves_a_tensor_parallel_server_paused(
     tiny_dirs: Any, tmp_path: Any
 ) -> None:

@@ -1,19 +1,15 @@
 """`RayVLLMWeightSyncClient` against a vLLM `LLM` living in a Ray actor.
 
-The Ray cluster is local (`wt_tools.local_ray`), started by this module on
-127.0.0.1 with its own temporary directory, and shut down afterwards. The trainer (this process)
-reaches the actor's worker over the backend's own loopback group.
+The Ray cluster is the session's loopback cluster (`ray_cluster`, `tests/conftest.py`;
+`wt_tools.local_ray`). The trainer (this process) reaches the actor's worker over the
+backend's own loopback group.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from wt_tools.local_ray import local_ray
 
 from tests.vllm.conftest import (
     INITIAL_SEED,
@@ -44,18 +40,6 @@ ACTOR_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_LOGGING_LEVEL": "WARNING",
 }
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[Any]:
-    if ray.is_initialized():
-        pytest.skip("a Ray session is already running in this process")
-    temp_dir = tempfile.mkdtemp(prefix="wtray")
-    try:
-        with local_ray(temp_dir, num_cpus=2) as cluster:
-            yield cluster
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def generate(actor: Any) -> Outputs:

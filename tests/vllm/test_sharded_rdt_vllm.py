@@ -12,7 +12,8 @@
   next sync (`reconnect`: every replica gets its handshake again) and then
   serves exactly what a fresh engine loaded from the target weights does.
 - Two FSDP2 trainer ranks (gloo, a Ray actor each) sync both replicas from
-  their local shards (`local_shards`): no rank runs an all-gather.
+  their local shards (`local_shards`): no rank runs an all-gather, and each
+  serves about its share of the bytes the replicas pull.
 - One engine with tensor parallelism 2 (vLLM's multiprocess executor; its
   worker processes join the Ray cluster as drivers from the handshake's
   address): each worker pulls about half of the model.
@@ -26,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.backends.sharded_rdt.ray_parts import ACTOR_ENV, LOOPBACK_ENV, ray_cluster
+from tests.backends.sharded_rdt.ray_parts import ACTOR_ENV, LOOPBACK_ENV
 from tests.vllm.conftest import (
     INITIAL_SEED,
     LLM_KWARGS,
@@ -64,10 +65,10 @@ VLLM_ENV = {
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Any]:
+def cluster(ray_cluster: Any) -> Any:
+    """The session's loopback cluster (`tests/conftest.py`), where wt has sharded_rdt."""
     require_backend("sharded_rdt")
-    with ray_cluster(num_cpus=4) as r:
-        yield r
+    return ray_cluster
 
 
 def start_replicas(cluster: Any, tiny_dirs: TinyDirs, count: int) -> list[Any]:
@@ -177,8 +178,10 @@ def test_fsdp2_ranks_sync_live_engines_from_their_own_shards(
     cluster: Any, replicas: list[Any], references: References
 ) -> None:
     """Two FSDP2 ranks (gloo, a Ray actor each) feed both replicas from their local
-    shards: no rank gathers, and the engines generate what fresh ones loaded from
-    the target checkpoint do."""
+    shards: no rank gathers (counted), every byte the replicas pull is served once,
+    each rank serves about its share, and the engines generate what fresh ones
+    loaded from the target checkpoint do. (Every mesh, dim and TP size over
+    loopback: `tests/backends/sharded_rdt/test_local_shards.py`.)"""
     from tests.backends.sharded_rdt.ray_parts import FsdpRank
     from wt_kits.group import free_port
 
@@ -206,11 +209,22 @@ def test_fsdp2_ranks_sync_live_engines_from_their_own_shards(
             target = weights(seed)
             cluster.get([r.load.remote(target) for r in ranks], timeout=120)
             results = cluster.get([r.sync.remote() for r in ranks], timeout=300)
-            for rank, (counts, served) in enumerate(results):
+            for rank, (counts, _) in enumerate(results):
                 assert not [n for n in counts if "gather" in n], f"rank {rank} gathered: {counts}"
-                assert served > 0, f"rank {rank} served nothing"
+            served = [nbytes for _, nbytes in results]
+            pulled = sum(
+                nbytes
+                for per_replica in cluster.get(
+                    [a.collective_rpc.remote(_pulled_bytes) for a in replicas], timeout=60
+                )
+                for nbytes in per_replica
+            )
+            assert sum(served) == pulled, (served, pulled)  # every byte pulled, served once
+            assert max(served) <= 1.5 * pulled / len(ranks), (served, pulled)  # about a share
             for r, actor in enumerate(replicas):
                 assert generate(actor) == references.outputs(seed), f"replica {r}, seed {seed}"
+        # the counter sees a gather where there is one
+        assert all(cluster.get([r.gathers_of_full_tensor.remote() for r in ranks], timeout=60))
     finally:
         cluster.get([r.shutdown.remote() for r in ranks], timeout=60)
         for actor in ranks:

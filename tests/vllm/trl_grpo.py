@@ -59,9 +59,11 @@ dataset = Dataset.from_dict({"prompt": [" ".join(f"w{i + j}" for j in range(5)) 
 
 
 def distinct(completions, **kwargs):
-    """Distinct completions get distinct rewards, so no group's advantages are all zero
-    and every step changes the weights (equal rewards, such as lengths, left a step
-    without an update now and then, and the tests' "the weights moved" checks failed)."""
+    """A reward per completion's text (its CRC): a group whose completions differ gets
+    different rewards, so its advantages are not all zero and the step changes the
+    weights (a reward by length gave equally long completions equal rewards: a step
+    without an update now and then, and the tests' "the weights moved" checks failed).
+    Only a group of identical completions still gets equal rewards."""
     return [zlib.crc32(c.encode()) / 2**32 for c in completions]
 
 

@@ -18,11 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.backends.sharded_rdt.ray_parts import (
-    ActorsClient,
-    Consumer,
-    ray_cluster,
-)  # loopback env first
+from tests.backends.sharded_rdt.ray_parts import ActorsClient, Consumer  # loopback env first
 
 pytest.importorskip("nixl")
 ray = pytest.importorskip("ray")
@@ -37,10 +33,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 _prefixes = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Any]:
-    with ray_cluster() as r:
-        yield r
+@pytest.fixture
+def cluster(ray_cluster: Any) -> Any:
+    """The session's loopback cluster (`tests/conftest.py`)."""
+    return ray_cluster
 
 
 def consumers(
@@ -260,51 +256,47 @@ def test_verified_pulls_over_nixl_refuse_a_corrupted_byte(cluster: Any) -> None:
             ray.kill(a)
 
 
-def test_fsdp2_ranks_send_their_own_shards_without_gathering(cluster: Any) -> None:
-    """Four real FSDP2 ranks (gloo, one process each; parameters sharded on dim 1)
-    feed a TP-2 engine's consumers with local shards: bit-exact, no all-gather on any
-    rank, each rank serving about its share of the bytes. (Two ranks on dim 0 into
-    TP-1 engines: `tests/vllm/test_sharded_rdt_vllm.py`; every mesh, dim and TP
-    over loopback: `test_local_shards.py`.)"""
-    world, dim, tp = 4, 1, 2
-    from tests.backends.sharded_rdt.ray_parts import FsdpRank
-    from wt_kits.group import free_port
+def busiest_thread(pid: int, looks: int = 40) -> tuple[str, float]:
+    """The thread of process `pid` seen runnable (`R`) most often in `looks` looks at
+    /proc 25 ms apart, and how often: a busy loop is runnable whenever looked at, on a
+    busy machine too (waiting for a core is `R` as well), a sleeping thread almost never."""
+    seen: dict[tuple[int, str], int] = {}
+    for _ in range(looks):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            key = (int(tid), name)
+            seen[key] = seen.get(key, 0) + (stat[stat.rindex(")") + 2] == "R")
+        time.sleep(0.025)
+    (tid, name), count = max(seen.items(), key=lambda item: item[1])
+    return f"{name} ({tid})", count / looks
 
-    actors = consumers(cluster, tp)
-    client = ActorsClient(actors)
-    rank_cls = cluster.remote(num_cpus=0)(FsdpRank)
-    port = free_port()
-    ranks = [rank_cls.remote(r, world, port, dim) for r in range(world)]
+
+def test_idle_producers_and_consumers_sleep_between_syncs(cluster: Any) -> None:
+    """After a sync, no thread of the producer actor or of a consumer busy-loops
+    (NIXL's progress thread polls, `wt_sharded_rdt.nixl_progress`); the next sync works."""
+    (actor,) = consumers(cluster, 1)
+    source = HeldSource(checkpoint(2))
     prefix = f"wt-nixl-{next(_prefixes)}"
+    trainer = ShardedRDTTrainerEngine.trainer_init(
+        info(0, 1, prefix), client=ActorsClient([actor]), source=source
+    )
     try:
-        kw = dict(
-            num_consumers=tp, transport="nixl", producer_prefix=prefix, num_trainer_ranks=world,
-            timeout_s=60.0, stall_timeout_s=20.0, peer_timeout_s=10.0,
-        )  # fmt: skip
-        local = cluster.get(
-            [r.init.remote(kw, client if i == 0 else None) for i, r in enumerate(ranks)],
-            timeout=180,
-        )
-        assert all(local), "ModuleSource over FSDP2 parameters must send local shards"
-        for seed in (2, 3):
-            cluster.get([r.load.remote(seed) for r in ranks], timeout=60)
-            results = cluster.get([r.sync.remote() for r in ranks], timeout=180)
-            assert_serving(cluster, actors, tp, seed)
-            for rank, (counts, _) in enumerate(results):
-                gathers = {n: c for n, c in counts.items() if "gather" in n}
-                assert not gathers, f"trainer rank {rank} gathered: {gathers}"
-        served = [nbytes for _, nbytes in results]
-        kept = sum(
-            share for _, _, share in cluster.get([a.state.remote() for a in actors], timeout=60)
-        )
-        assert sum(served) == kept, (served, kept)  # every byte a consumer keeps, moved once
-        assert max(served) <= 1.5 * kept / world, (served, kept)  # each rank about its share
-        # the counter sees a gather where there is one
-        assert all(cluster.get([r.gathers_of_full_tensor.remote() for r in ranks], timeout=60))
+        trainer.send_weights()
+        producer = cluster.get(cluster.get_actor(f"{prefix}-rk0").ping.remote(), timeout=60)
+        for who, pid in (("producer", producer), ("consumer", cluster.get(actor.pid.remote()))):
+            thread, share = busiest_thread(pid)
+            assert share < 0.5, f"{who}: thread {thread} was runnable in {share:.0%} of looks"
+        source.tensors = checkpoint(3)
+        trainer.send_weights()
+        assert_serving(cluster, [actor], 1, 3)
     finally:
-        cluster.get([r.shutdown.remote() for r in ranks], timeout=60)
-        for a in [*ranks, *actors]:
-            ray.kill(a)
+        trainer.shutdown()
+        ray.kill(actor)
 
 
 class _Niced:

@@ -19,6 +19,7 @@ from weight_transfer.backend import dtype_name
 from wt_kits.colocated import SharedSegment
 from wt_kits.slices import FetchKey
 from wt_kits.stream import aligned_layout, floating_runs
+from wt_sharded_rdt.nixl_progress import poll_not_spin
 from wt_sharded_rdt.transport import (
     ALIVE_TIMEOUT_S,
     CONTROL_TIMEOUT_S,
@@ -241,6 +242,7 @@ class RayClient:
         # flag; the producer class has it, so the handle may use it too.
         self.actor._ray_enable_tensor_transport = True
         self.name = name
+        poll_not_spin()  # before this process's first pull builds its NIXL agent
 
     def describe(self) -> dict[str, Any]:
         return dict(_ray_get(self.actor.describe.remote(), CONTROL_TIMEOUT_S, self.name))

@@ -26,6 +26,7 @@ import torch
 from weight_transfer.backend import dtype_from_name
 from wt_kits.colocated import SharedSegment
 from wt_kits.slices import FetchKey
+from wt_sharded_rdt.nixl_progress import poll_not_spin
 from wt_sharded_rdt.producer import Producer
 from wt_sharded_rdt.transport import StagedTensor
 
@@ -74,6 +75,7 @@ class ProducerActor:
             for name in segment_names
         ]
         self.niceness = match_priority(trainer_pid)
+        poll_not_spin()  # before this process's first transfer builds its NIXL agent
         self.producer = Producer(**producer_kwargs)
         # (slot, group, start) -> the group's tensors as views of the staging slot
         self.views: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
