@@ -297,7 +297,8 @@ def test_idle_producers_and_consumers_sleep_between_syncs(cluster: Any) -> None:
     try:
         trainer.send_weights()
         producer = cluster.get(cluster.get_actor(f"{prefix}-rk0").ping.remote(), timeout=60)
-        for who, pid in (("producer", producer), ("consumer", cluster.get(actor.pid.remote()))):
+        consumer = cluster.get(actor.pid.remote(), timeout=60)
+        for who, pid in (("producer", producer), ("consumer", consumer)):
             thread, share = busiest_thread(pid)
             assert share < 0.1, f"{who}: thread {thread} used {share:.0%} of a core, idle"
         source.tensors = checkpoint(3)
