@@ -190,7 +190,7 @@ def test_fsdp2_ranks_sync_live_engines_from_their_own_shards(
 
     rank_cls = cluster.remote(num_cpus=0)(FsdpRank)
     port = free_port()
-    ranks = [rank_cls.remote(r, 2, port, 0, weights(INITIAL_SEED)) for r in range(2)]
+    ranks = [rank_cls.remote(r, 2, port, weights(INITIAL_SEED)) for r in range(2)]
     info = dict(
         num_consumers=REPLICAS, num_replicas=REPLICAS, num_trainer_ranks=2, transport="nixl",
         producer_prefix="wt-vllm-rdt-fsdp", timeout_s=120.0, stall_timeout_s=30.0,

@@ -144,24 +144,21 @@ class ActorsClient:
 
 class FsdpRank:
     """One FSDP2 trainer rank (wrapped by `ray.remote` in tests): joins a gloo group of
-    `world` ranks, holds a module with the names and shapes of `weights` (default:
-    `checkpoint(0)`, the names `ShardedModel` loads) whose every leaf module is
-    `fully_shard`ed over a 1-D mesh (on dim 0, or on `dim` where a parameter has it:
-    FSDP2's `shard_placement_fn`), and syncs it through `sharded_rdt` over NIXL with
-    a `ModuleSource`, counting the collectives each sync runs."""
+    `world` ranks, holds a module with the names and shapes of `weights` whose every
+    leaf module is `fully_shard`ed on dim 0 over a 1-D mesh, and syncs it through
+    `sharded_rdt` over NIXL with a `ModuleSource`, counting the collectives each
+    sync runs."""
 
     def __init__(
         self,
         rank: int,
         world: int,
         port: int,
-        dim: int,
-        weights: dict[str, torch.Tensor] | None = None,
+        weights: dict[str, torch.Tensor],
     ) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import Shard
 
         from weight_transfer.testing.models import ConformanceModel
 
@@ -169,25 +166,20 @@ class FsdpRank:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
-        from tests.backends.sharded_rdt.models import checkpoint
-
         self.rank, self.mesh = rank, init_device_mesh("cpu", (world,))
-        self.model = ConformanceModel(weights if weights is not None else checkpoint(0))
-
-        def placement(param: torch.nn.Parameter) -> Any:
-            return Shard(dim if param.dim() > dim else 0)
-
+        self.model = ConformanceModel(weights)
         leaves = [m for m in self.model.modules() if list(m.parameters(recurse=False))]
         for module in leaves:
-            fully_shard(module, mesh=self.mesh, shard_placement_fn=placement)
+            fully_shard(module, mesh=self.mesh)
         self.engine: Any = None
 
-    def init(self, info: dict[str, Any], client: Any = None, engines: Any = None) -> bool:
-        """`trainer_init` on this rank; the sender's client is `client`, or one over
-        `engines` (vLLM `LLM` actors, fanned out). Whether it sends local shards."""
+    def init(self, info: dict[str, Any], engines: list[Any] | None = None) -> bool:
+        """`trainer_init` on this rank; the sender (`engines` given: vLLM `LLM` actors)
+        reaches them fanned out. Whether it sends local shards."""
         from weight_transfer import FanOutClient, ModuleSource, RayVLLMWeightSyncClient
         from wt_sharded_rdt.trainer import ShardedRDTTrainerEngine, ShardedRDTTrainerInitInfo
 
+        client = None
         if engines:
             client = FanOutClient([RayVLLMWeightSyncClient(a, timeout=120.0) for a in engines])
 
@@ -198,17 +190,13 @@ class FsdpRank:
         )
         return bool(self.engine.local)
 
-    def load(self, weights: int | dict[str, torch.Tensor]) -> None:
-        """Set every local shard to torch's own piece of `weights` (a seed of
-        `checkpoint`, or the tensors by name): `distribute_tensor`, a collective every
-        rank runs, outside any sync."""
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        """Set every local shard to torch's own piece of `weights` (the tensors by name):
+        `distribute_tensor`, a collective every rank runs, outside any sync."""
         from torch.distributed.tensor import distribute_tensor
 
-        from tests.backends.sharded_rdt.models import checkpoint
-
-        full = checkpoint(weights) if isinstance(weights, int) else weights
         with torch.no_grad():
-            for name, tensor in full.items():
+            for name, tensor in weights.items():
                 param = self.model.get_parameter(name)
                 piece = distribute_tensor(tensor, self.mesh, param.placements).to_local()
                 param.to_local().copy_(piece)
